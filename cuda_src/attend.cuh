@@ -1,0 +1,278 @@
+// The CTA-level attention core shared by the split-KV partial kernel and the
+// v1 baseline: HEADS query heads that share one kv head attend over a
+// contiguous range of one request's visible slots, walking its page list.
+//
+// Thread mapping (per warp): TPR lanes cover one token's head_dim row with
+// 16-byte vectors (VPT vectors per lane); the warp's 32/TPR lane groups take
+// different tokens. Each (warp, group) keeps its own base-2 online softmax
+// state in registers, so the token loop needs no barrier; the states are
+// combined once at the end (shuffles across groups, shared memory across
+// warps). Every K/V vector is loaded once and used for all HEADS query heads.
+#pragma once
+#include "common.cuh"
+
+namespace cupaged {
+
+constexpr int NUM_WARPS = 4;
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+// Page ids of the current window are staged in shared memory, so the token
+// loop's address math never waits on a dependent global load.
+constexpr int PAGE_WINDOW = 256;
+
+template <typename T, int HEAD_DIM>
+struct RowMap {
+  static constexpr int VEC = Storage<T>::VEC;
+  static constexpr int NVEC = HEAD_DIM / VEC;       // 16-byte vectors per row
+  static constexpr int TPR = NVEC < 32 ? NVEC : 32;  // lanes per token row
+  static constexpr int VPT = NVEC / TPR;             // vectors per lane
+  static constexpr int GPW = 32 / TPR;               // token groups per warp
+  static constexpr int EPT = VPT * VEC;              // elements per lane
+  static_assert(HEAD_DIM % VEC == 0 && NVEC % TPR == 0, "head_dim must be a multiple of 16 bytes");
+  // Lane li of a group holds elements [v*TPR*VEC + li*VEC, +VEC) for v < VPT.
+  __device__ __forceinline__ static int dim(int li, int v) { return v * TPR * VEC + li * VEC; }
+};
+
+// Element strides of a [num_pages, page_size, num_kv_heads, head_dim] cache
+// (head_dim itself is contiguous).
+struct CacheStrides {
+  long long page, token, head;
+};
+
+template <int HEADS, int HEAD_DIM>
+struct AttendScratch {
+  int page_ids[PAGE_WINDOW];
+  float m[NUM_WARPS][HEADS];
+  float l[NUM_WARPS][HEADS];
+  float acc[NUM_WARPS][HEADS][HEAD_DIM];
+};
+
+// Token-loop unroll: more loads in flight per lane, bounded by registers
+// (q and the accumulator take 2*HEADS*EPT registers).
+template <int HEADS>
+struct Unroll {
+  static constexpr int value = HEADS <= 2 ? 4 : 2;
+};
+
+// Attends query heads [0, HEADS) at q (head stride stride_q_head) over the
+// visible slots [slot_begin, slot_end) of one request; a slot s lives in page
+// req_pages[s / page_size] at entry s % page_size. Calls
+// emit.value(h, d, float4) for every 4 output elements of head h (normalized
+// by the softmax denominator) and emit.lse(h, lse) once per head (log2).
+// An empty range emits zeros and -inf. Must be called by all NUM_THREADS threads.
+template <typename T, int HEAD_DIM, int HEADS, typename Emit>
+__device__ __forceinline__ void cta_attend(
+    const T* __restrict__ q, long long stride_q_head, float scale_log2,
+    const T* __restrict__ k_cache, CacheStrides ks,
+    const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
+    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
+    AttendScratch<HEADS, HEAD_DIM>& sm, Emit& emit) {
+  using Map = RowMap<T, HEAD_DIM>;
+  using S = Storage<T>;
+  constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
+  constexpr int UNROLL = Unroll<HEADS>::value;
+  constexpr int TILE = NUM_WARPS * GPW * UNROLL;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int group = lane / TPR, li = lane % TPR;
+
+  float qf[HEADS][EPT];
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h)
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      S::unpack(load_vec(q + h * stride_q_head + Map::dim(li, v)), &qf[h][v * VEC]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] *= scale_log2;
+    }
+
+  float m[HEADS], l[HEADS], acc[HEADS][EPT];
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    m[h] = neg_inf();
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) acc[h][e] = 0.f;
+  }
+
+  const long long k_head = (long long)kv_head * ks.head + Map::dim(li, 0);
+  const long long v_head = (long long)kv_head * vs.head + Map::dim(li, 0);
+  const int first_page = slot_begin / page_size;
+  const int end_page = slot_end > slot_begin ? (slot_end + page_size - 1) / page_size : first_page;
+
+  for (int win = first_page; win < end_page; win += PAGE_WINDOW) {
+    const int win_end = min(win + PAGE_WINDOW, end_page);
+    __syncthreads();  // the previous window's ids are no longer read
+    for (int i = tid; i < win_end - win; i += NUM_THREADS) sm.page_ids[i] = req_pages[win + i];
+    __syncthreads();
+    const int s0 = max(slot_begin, win * page_size), s1 = min(slot_end, win_end * page_size);
+
+    for (int base = s0; base < s1; base += TILE) {
+      uint4 kr[UNROLL][VPT], vr[UNROLL][VPT];
+      bool valid[UNROLL];
+      // Issue every load of the tile before the first use.
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const int pos = base + (u * NUM_WARPS + warp) * GPW + group;
+        valid[u] = pos < s1;
+        if (valid[u]) {
+          const int p = pos / page_size;
+          const int slot = pos - p * page_size;
+          const long long page = sm.page_ids[p - win];
+          const T* kp = k_cache + page * ks.page + slot * ks.token + k_head;
+          const T* vp = v_cache + page * vs.page + slot * vs.token + v_head;
+#pragma unroll
+          for (int v = 0; v < VPT; ++v) {
+            kr[u][v] = load_vec(kp + v * TPR * VEC);
+            vr[u][v] = load_vec(vp + v * TPR * VEC);
+          }
+        } else {
+#pragma unroll
+          for (int v = 0; v < VPT; ++v) kr[u][v] = vr[u][v] = make_uint4(0, 0, 0, 0);
+        }
+      }
+
+      float s[UNROLL][HEADS];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        float kf[EPT];
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) S::unpack(kr[u][v], &kf[v * VEC]);
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+          float dot = 0.f;
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) dot = fmaf(qf[h][e], kf[e], dot);
+          dot = group_sum<TPR>(dot);
+          s[u][h] = valid[u] ? dot : neg_inf();
+        }
+      }
+
+      // One rescale per tile and head, not per token.
+      float p[UNROLL][HEADS];
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) {
+        float m_new = m[h];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) m_new = fmaxf(m_new, s[u][h]);
+        const float m_safe = m_new == neg_inf() ? 0.f : m_new;  // avoids -inf - -inf
+        const float alpha = fast_exp2(m[h] - m_safe);
+        m[h] = m_new;
+        l[h] *= alpha;
+#pragma unroll
+        for (int e = 0; e < EPT; ++e) acc[h][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          p[u][h] = fast_exp2(s[u][h] - m_safe);
+          l[h] += p[u][h];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        float vf[EPT];
+#pragma unroll
+        for (int v = 0; v < VPT; ++v) S::unpack(vr[u][v], &vf[v * VEC]);
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h)
+#pragma unroll
+          for (int e = 0; e < EPT; ++e) acc[h][e] = fmaf(p[u][h], vf[e], acc[h][e]);
+      }
+    }
+  }
+
+  // Combine the lane groups of this warp (same dims, different tokens).
+#pragma unroll
+  for (int off = TPR; off < 32; off <<= 1) {
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+      const float m_o = __shfl_xor_sync(0xffffffffu, m[h], off);
+      const float l_o = __shfl_xor_sync(0xffffffffu, l[h], off);
+      const float m_new = fmaxf(m[h], m_o);
+      const float m_safe = m_new == neg_inf() ? 0.f : m_new;
+      const float a = fast_exp2(m[h] - m_safe), b = fast_exp2(m_o - m_safe);
+      m[h] = m_new;
+      l[h] = l[h] * a + l_o * b;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) {
+        const float acc_o = __shfl_xor_sync(0xffffffffu, acc[h][e], off);
+        acc[h][e] = acc[h][e] * a + acc_o * b;
+      }
+    }
+  }
+
+  __syncthreads();  // page_ids of the last window may still be read above
+  if (group == 0) {
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+      if (li == 0) {
+        sm.m[warp][h] = m[h];
+        sm.l[warp][h] = l[h];
+      }
+#pragma unroll
+      for (int v = 0; v < VPT; ++v)
+#pragma unroll
+        for (int e = 0; e < VEC; e += 4)
+          *reinterpret_cast<float4*>(&sm.acc[warp][h][Map::dim(li, v) + e]) =
+              make_float4(acc[h][v * VEC + e], acc[h][v * VEC + e + 1], acc[h][v * VEC + e + 2],
+                          acc[h][v * VEC + e + 3]);
+    }
+  }
+  __syncthreads();
+
+  // Combine the warps: thread per (head, 4 dims).
+  constexpr int D4 = HEAD_DIM / 4;
+  for (int item = tid; item < HEADS * D4; item += NUM_THREADS) {
+    const int h = item / D4, d = (item % D4) * 4;
+    float m_max = neg_inf();
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, sm.m[w][h]);
+    const float m_safe = m_max == neg_inf() ? 0.f : m_max;
+    float denom = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < NUM_WARPS; ++w) {
+      const float wgt = fast_exp2(sm.m[w][h] - m_safe);
+      denom += sm.l[w][h] * wgt;
+      const float4 a = *reinterpret_cast<const float4*>(&sm.acc[w][h][d]);
+      o.x += a.x * wgt; o.y += a.y * wgt; o.z += a.z * wgt; o.w += a.w * wgt;
+    }
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    emit.value(h, d, o);
+    if (d == 0) emit.lse(h, denom > 0.f ? m_safe + fast_log2(denom) : neg_inf());
+  }
+}
+
+// Emits into a [rows, heads, HEAD_DIM] output of storage T with strides, and
+// an optional float32 [rows, heads] LSE (contiguous).
+template <typename T>
+struct EmitStrided {
+  T* out;              // points at (row, first head of the CTA)
+  long long stride_head;
+  float* lse_out;      // points at (row, first head) or nullptr
+  __device__ __forceinline__ void value(int h, int d, float4 o) {
+    T* p = out + h * stride_head + d;
+    Storage<T>::store(p, o.x); Storage<T>::store(p + 1, o.y);
+    Storage<T>::store(p + 2, o.z); Storage<T>::store(p + 3, o.w);
+  }
+  __device__ __forceinline__ void lse(int h, float x) {
+    if (lse_out != nullptr) lse_out[h] = x;
+  }
+};
+
+// Visible slot range of pages [page_lo, page_hi) of a request: slots are
+// counted from entry 0 of its first page, and the visible ones are
+// [first_page_offset, (pages - 1) * page_size + last_page_len).
+__device__ __forceinline__ void visible_slots(int pages, int first_page_offset, int last_page_len,
+                                              int page_size, int page_lo, int page_hi,
+                                              int& slot_begin, int& slot_end) {
+  if (pages <= 0 || page_lo >= page_hi) {
+    slot_begin = slot_end = 0;
+    return;
+  }
+  const int total = (pages - 1) * page_size + last_page_len;
+  slot_begin = max(page_lo * page_size, first_page_offset);
+  slot_end = min(page_hi * page_size, total);
+  if (slot_end < slot_begin) slot_end = slot_begin;
+}
+
+}  // namespace cupaged

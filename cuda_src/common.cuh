@@ -1,0 +1,90 @@
+// Shared device helpers for every cupaged kernel: storage types, 16-byte
+// vector loads and conversions, fast base-2 math, warp reductions.
+// Kernels include no CUDA header so NVRTC compiles them with no include path
+// beyond cuda_src/ (the CI compile check runs on a machine without a toolkit).
+#pragma once
+
+namespace cupaged {
+
+// 16-bit storage types. Plain structs (not __half/__nv_bfloat16) so no CUDA
+// header is needed; the conversions below are one PTX instruction each.
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// ex2.approx / lg2.approx: 2 ulp, what the online softmax needs; exp2(-inf) = 0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Storage traits: VEC elements per 16-byte vector, unpacking a vector into
+// floats and packing floats into one element.
+template <typename T> struct Storage;
+
+template <> struct Storage<float> {
+  static constexpr int VEC = 4;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x); f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z); f[3] = __uint_as_float(v.w);
+  }
+  __device__ __forceinline__ static void store(float* p, float x) { *p = x; }
+};
+
+__device__ __forceinline__ void half2_to_float2(unsigned int u, float& lo, float& hi) {
+  unsigned short l = (unsigned short)(u & 0xffffu), h = (unsigned short)(u >> 16);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(l));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(h));
+}
+
+template <> struct Storage<f16> {
+  static constexpr int VEC = 8;
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    half2_to_float2(v.x, f[0], f[1]); half2_to_float2(v.y, f[2], f[3]);
+    half2_to_float2(v.z, f[4], f[5]); half2_to_float2(v.w, f[6], f[7]);
+  }
+  __device__ __forceinline__ static void store(f16* p, float x) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    p->bits = r;
+  }
+};
+
+template <> struct Storage<bf16> {
+  static constexpr int VEC = 8;
+  // bf16 is the top half of an fp32: widening is a shift or a mask.
+  __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x << 16); f[1] = __uint_as_float(v.x & 0xffff0000u);
+    f[2] = __uint_as_float(v.y << 16); f[3] = __uint_as_float(v.y & 0xffff0000u);
+    f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
+    f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
+  }
+  __device__ __forceinline__ static void store(bf16* p, float x) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    p->bits = r;
+  }
+};
+
+// Read-only 16-byte load through the non-coherent path.
+template <typename T>
+__device__ __forceinline__ uint4 load_vec(const T* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// Sum over aligned groups of WIDTH lanes (WIDTH a power of two <= 32).
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int off = WIDTH / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  return x;
+}
+
+}  // namespace cupaged

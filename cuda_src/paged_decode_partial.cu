@@ -1,0 +1,81 @@
+// paged_decode_partial<T, HEAD_DIM, HEADS>: split-KV paged-attention decode.
+//
+// Computes, for every chunk of the plan and every query head, the attention
+// of that head's query over the chunk's visible tokens: a partial output
+// normalized by the chunk's own softmax denominator, and its LSE in log2
+// units (scores are scaled by sm_scale * log2(e) and exponentiated with exp2).
+//
+// Grid: x = chunk (plan.num_chunks), y = kv_head * q_groups + q_group.
+// Block: NUM_THREADS (128) threads. One CTA reads each K/V element of its
+// chunk once and uses it for the HEADS query heads
+//   kv_head * group_size + q_group * HEADS + [0, HEADS).
+// Chunk c belongs to request r = chunk_request[c] and is chunk
+// j = c - o_indptr[r] of it, covering the request's pages
+// [j * pages_per_chunk, min((j + 1) * pages_per_chunk, pages_r)).
+//
+// Pointers (element strides are in elements of T; head_dim is contiguous):
+//   q                [batch, num_qo_heads, HEAD_DIM] T, strides (stride_q_batch, stride_q_head, 1)
+//   k_cache, v_cache [num_pages, page_size, num_kv_heads, HEAD_DIM] T, NHD, strides per CacheStrides
+//   indices          [indptr[batch]] int32 physical page ids
+//   indptr           [batch + 1] int32;  last_page_len, first_page_offset [batch] int32
+//   chunk_request    [num_chunks] int32; o_indptr [batch + 1] int32
+//   partial_v        [num_chunks, num_qo_heads, HEAD_DIM] float32 contiguous
+//   partial_lse      [num_chunks, num_qo_heads] float32 contiguous
+//   final_out        [batch, num_qo_heads, HEAD_DIM] T, strides (stride_o_batch, stride_o_head, 1)
+//   final_lse        [batch, num_qo_heads] float32 contiguous, may be null
+// When final_out is non-null the plan has exactly one chunk per request
+// (chunk == request, decided on the host) and the normalized result is
+// written straight to final_out/final_lse; partial_v/partial_lse are unused.
+//
+// Preconditions: the page table passed PageTable.validate() and every page id
+// is < num_pages (checked on the host); q, caches and strides are 16-byte
+// aligned; HEAD_DIM % (16 / sizeof(T)) == 0.
+// Edge behaviour: a chunk with no visible token (a zero-page request) writes
+// zeros and LSE -inf.
+#include "attend.cuh"
+
+namespace cupaged {
+
+template <typename T, int HEAD_DIM, int HEADS>
+__global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_partial(
+    const T* __restrict__ q, long long stride_q_batch, long long stride_q_head,
+    const T* __restrict__ k_cache, long long stride_k_page, long long stride_k_token, long long stride_k_head,
+    const T* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
+    const int* __restrict__ indices, const int* __restrict__ indptr,
+    const int* __restrict__ last_page_len, const int* __restrict__ first_page_offset,
+    const int* __restrict__ chunk_request, const int* __restrict__ o_indptr,
+    int pages_per_chunk, int page_size, int num_qo_heads, int group_size, int q_groups,
+    float scale_log2,
+    float* __restrict__ partial_v, float* __restrict__ partial_lse,
+    T* __restrict__ final_out, long long stride_o_batch, long long stride_o_head,
+    float* __restrict__ final_lse) {
+  __shared__ AttendScratch<HEADS, HEAD_DIM> sm;
+  const int chunk = blockIdx.x;
+  const int kv_head = blockIdx.y / q_groups;
+  const int head0 = kv_head * group_size + (blockIdx.y % q_groups) * HEADS;
+  const int req = chunk_request[chunk];
+  const int j = chunk - o_indptr[req];
+  const int page0 = indptr[req];
+  const int pages = indptr[req + 1] - page0;
+
+  int slot_begin, slot_end;
+  visible_slots(pages, first_page_offset[req], last_page_len[req], page_size, j * pages_per_chunk,
+                min((j + 1) * pages_per_chunk, pages), slot_begin, slot_end);
+
+  const T* q_cta = q + req * stride_q_batch + head0 * stride_q_head;
+  const CacheStrides ks{stride_k_page, stride_k_token, stride_k_head};
+  const CacheStrides vs{stride_v_page, stride_v_token, stride_v_head};
+  if (final_out != nullptr) {
+    EmitStrided<T> emit{final_out + req * stride_o_batch + head0 * stride_o_head, stride_o_head,
+                        final_lse == nullptr ? nullptr : final_lse + (long long)req * num_qo_heads + head0};
+    cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
+                                   indices + page0, page_size, slot_begin, slot_end, sm, emit);
+  } else {
+    const long long row = (long long)chunk * num_qo_heads + head0;
+    EmitStrided<float> emit{partial_v + row * HEAD_DIM, HEAD_DIM, partial_lse + row};
+    cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
+                                   indices + page0, page_size, slot_begin, slot_end, sm, emit);
+  }
+}
+
+}  // namespace cupaged

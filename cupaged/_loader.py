@@ -1,0 +1,108 @@
+"""Compiles cuda_src/ with cupy.RawModule and looks kernels up by name.
+
+One module per (kernel family, dtype, head_dim), built on first use. CuPy's
+on-disk kernel cache keys on the source text and options only, so a changed
+header would be missed: the source handed to NVRTC starts with a hash of every
+file in cuda_src/, headers included.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _configs
+
+SRC_DIR = Path(os.environ.get("CUPAGED_CUDA_SRC", Path(__file__).resolve().parent.parent / "cuda_src"))
+OPTIONS = ("-std=c++17", f"-I{SRC_DIR}")
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash() -> str:
+    h = hashlib.sha256()
+    for path in sorted(SRC_DIR.glob("*.cu*")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def module_source(family: str) -> str:
+    code = (SRC_DIR / _configs.SOURCES[family]).read_text()
+    return f"// cupaged cuda_src hash {source_hash()}\n{code}"
+
+
+@functools.lru_cache(maxsize=None)
+def _module(family: str, dtype: str, head_dim: int):
+    import cupy
+
+    return cupy.RawModule(
+        code=module_source(family),
+        options=OPTIONS,
+        name_expressions=_configs.name_expressions(family, dtype, head_dim),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def get_kernel(family: str, dtype: str, head_dim: int, index: int = 0):
+    """The ``index``-th instance of the module (family, dtype, head_dim)."""
+    names = _configs.name_expressions(family, dtype, head_dim)
+    return _module(family, dtype, head_dim).get_function(names[index])
+
+
+@dataclass(frozen=True)
+class KernelResources:
+    name: str
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+    shared_bytes: int
+
+
+_PTXAS_FUNC = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def compile_for_arch(family: str, dtype: str, head_dim: int, arch: str = "sm_90") -> dict[str, KernelResources]:
+    """Compiles one module with NVRTC for ``arch`` (no GPU needed) and returns
+    ptxas's resource report per template instance; raises on a compile error."""
+    from cupy.cuda import nvrtc
+
+    names = _configs.name_expressions(family, dtype, head_dim)
+    prog = nvrtc.createProgram(module_source(family), _configs.SOURCES[family], [], [])
+    try:
+        for n in names:
+            nvrtc.addNameExpression(prog, n)
+        try:
+            nvrtc.compileProgram(prog, [*OPTIONS, f"-arch={arch}", "-Xptxas=-v"])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{family}/{dtype}/{head_dim}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        log = nvrtc.getProgramLog(prog)
+        lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
+    finally:
+        nvrtc.destroyProgram(prog)
+    return _parse_ptxas(log, lowered)
+
+
+def _parse_ptxas(log: str, lowered: dict[str, str]) -> dict[str, KernelResources]:
+    out: dict[str, KernelResources] = {}
+    current = None
+    frame = (0, 0, 0)
+    for line in log.splitlines():
+        if m := _PTXAS_FUNC.search(line):
+            current = m.group(1)
+        elif (m := _PTXAS_FRAME.search(line)) and current:
+            frame = tuple(int(x) for x in m.groups())
+        elif (m := _PTXAS_REGS.search(line)) and current in lowered:
+            name = lowered[current]
+            out[name] = KernelResources(name, int(m.group(1)), *frame, int(m.group(2) or 0))
+            current = None
+    missing = set(lowered.values()) - set(out)
+    if missing:
+        raise RuntimeError(f"no ptxas report for {sorted(missing)}:\n{log}")
+    return out

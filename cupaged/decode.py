@@ -1,0 +1,307 @@
+"""Dispatch: one decode call -> checks, then the v2, v1 or gather path.
+
+v2 launches the split-KV partial kernel, then the merge kernel **only when
+some request has more than one chunk** (``plan.needs_merge``). Otherwise each
+request's single chunk is its answer and the partial kernel writes it straight
+into ``out`` in the output dtype. The choice is made on the host from the plan:
+a kernel output is uninitialised memory, so a "skip" decided inside a kernel
+would leave garbage.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _configs, _loader
+from ._device import require_gpu
+from .errors import PlanMismatchError
+from .page_table import PageTable
+from .plan import DecodePlan, plan_decode
+
+METHODS = ("auto", "v2", "v1", "gather")
+ENV_METHOD = "CUPAGED_DECODE"
+LOG2E = 1.0 / math.log(2.0)
+_NULL = np.uint64(0)  # a null pointer kernel argument
+_THREADS = 128  # NUM_THREADS / MERGE_THREADS in cuda_src
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The path a decode call takes and why (``select_method`` returns it)."""
+
+    method: str  # "v2", "v1" or "gather"
+    reason: str
+
+
+# --------------------------------------------------------------------------- checks
+def _as_cupy(x, name: str):
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
+        return cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
+    raise TypeError(f"{name} must be a CuPy array (or a CUDA array via DLPack), got {type(x).__name__}")
+
+
+def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
+    """Shape/dtype/device checks that cost no device sync; returns the dtype name."""
+    if not isinstance(table, PageTable):
+        raise TypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape {q.shape}")
+    if k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise ValueError(
+            "k_cache and v_cache must be [num_pages, page_size, num_kv_heads, head_dim] (NHD), "
+            f"got shapes {k_cache.shape} and {v_cache.shape}"
+        )
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    name = _configs.dtype_name(q.dtype)
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    batch, num_qo_heads, q_dim = q.shape
+    if q_dim != head_dim:
+        raise ValueError(f"q head_dim {q_dim} != cache head_dim {head_dim}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if page_size != table.page_size:
+        raise ValueError(f"cache page_size {page_size} != table.page_size {table.page_size}")
+    if batch != table.batch_size:
+        raise ValueError(f"q has batch {batch} but the table has {table.batch_size} requests")
+    table.check_page_ids(num_pages)
+    if not (q.device.id == k_cache.device.id == v_cache.device.id):
+        raise ValueError(
+            f"q, k_cache and v_cache must be on one device, got {q.device.id}, {k_cache.device.id}, {v_cache.device.id}"
+        )
+    return name
+
+
+def _kernel_decline_reason(q, k_cache, v_cache) -> str | None:
+    """Why the CUDA kernels cannot serve these tensors (None when they can)."""
+    head_dim = q.shape[-1]
+    if head_dim not in _configs.HEAD_DIMS:
+        return f"head_dim {head_dim} has no kernel instance (supported: {_configs.HEAD_DIMS})"
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.strides[-1] != a.itemsize:
+            return f"{name}'s head_dim is not contiguous"
+        if a.data.ptr % 16 or any(s % 16 for s in a.strides[:-1]):
+            return f"{name} is not 16-byte aligned (base pointer or strides)"
+    return None
+
+
+def _check_out(out, q):
+    out = _as_cupy(out, "out")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must have q's shape {q.shape} and dtype {q.dtype}, got {out.shape} {out.dtype}")
+    if out.strides[-1] != out.itemsize:
+        raise ValueError("out's head_dim must be contiguous")
+    if out.device.id != q.device.id:
+        raise ValueError(f"out is on device {out.device.id}, q on {q.device.id}")
+    return out
+
+
+def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str) -> None:
+    _, num_qo_heads, head_dim = q.shape
+    expected = (num_qo_heads, k_cache.shape[2], head_dim, dtype_name)
+    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, _configs.dtype_name(plan.dtype))
+    if got != expected:
+        raise PlanMismatchError(
+            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype) = {got}, "
+            f"the call has {expected}"
+        )
+    if not plan.matches(table):
+        raise PlanMismatchError(
+            "stale plan: the table's batch, page size or some request's chunk count changed; "
+            "build a new one with plan_decode(table, ...)"
+        )
+
+
+# ------------------------------------------------------------------------- selection
+def default_method() -> str:
+    method = os.environ.get(ENV_METHOD, "auto")
+    if method not in METHODS:
+        raise ValueError(f"{ENV_METHOD}={method!r}; expected one of {METHODS}")
+    return method
+
+
+def auto_method(batch_size: int, max_seq_len: int) -> Selection:
+    """What ``method="auto"`` picks for a batch the kernels can serve.
+
+    v2 everywhere: the H200 microbenchmark (docs/benchmarks/) shows no cell
+    where v1 or gather is faster.
+    """
+    return Selection("v2", "auto: split-KV v2 (fastest in every measured cell)")
+
+
+def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto") -> Selection:
+    """The path ``decode`` takes for these arguments, and why. Runs the same
+    checks as ``decode`` (so it raises what ``decode`` would raise)."""
+    q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    _check_inputs(q, k_cache, v_cache, table)
+    return _select(q, k_cache, v_cache, table, method)
+
+
+def _select(q, k_cache, v_cache, table: PageTable, method: str) -> Selection:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "auto":
+        method = default_method()
+    if method == "gather":
+        return Selection("gather", "requested")
+    decline = _kernel_decline_reason(q, k_cache, v_cache)
+    if decline is not None:
+        return Selection("gather", f"fallback from {method}: {decline}")
+    if method == "auto":
+        return auto_method(table.batch_size, int(table.seq_lens.max(initial=0)))
+    return Selection(method, "requested")
+
+
+# ---------------------------------------------------------------------- the entry
+def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, *, method: str = "auto",
+           sm_scale: float | None = None, out=None, return_lse: bool = False):
+    """Paged-attention decode: one query token per request against its paged KV.
+
+    Args:
+        q: ``[batch, num_qo_heads, head_dim]`` CuPy array, float16, bfloat16
+            (``ml_dtypes.bfloat16``) or float32; head_dim contiguous.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``
+            (NHD) CuPy arrays of q's dtype. The page stride may exceed the
+            page's size (a slice of a larger cache).
+        table: the :class:`PageTable` (CSR view) of the batch; its page ids
+            must be ``< num_pages``.
+        plan: a :class:`DecodePlan` from :func:`plan_decode` for this table
+            and shapes, held across decode steps while ``plan.matches(table)``.
+            Built here when None (host cost every call).
+        method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides), ``"v2"``,
+            ``"v1"`` or ``"gather"``. A shape the kernels decline runs the
+            gather path; :func:`select_method` says which path and why.
+        sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+        out: optional output array (q's shape and dtype, head_dim contiguous).
+        return_lse: also return the LSE, ``[batch, num_qo_heads]`` float32 in
+            **log2 units** (natural log = lse * ln 2); -inf for an empty request.
+
+    Returns:
+        ``out`` (``[batch, num_qo_heads, head_dim]``, q's dtype), or
+        ``(out, lse)`` with ``return_lse``. An empty request's output is zeros.
+
+    Raises:
+        TypeError (not a CuPy array / PageTable), ValueError (shapes, dtypes,
+        heads not divisible, devices), PageTableError (page id out of range),
+        PlanMismatchError (a stale plan), NoGPUError.
+
+    Example::
+
+        table = cupaged.PageTable.from_seq_lens([700, 33], page_size=16)
+        plan = cupaged.plan_decode(table, 32, 8, 128, "float16")
+        out = cupaged.decode(q, k_cache, v_cache, table, plan)
+    """
+    require_gpu("cupaged.decode")
+    import cupy
+
+    q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    dtype = _check_inputs(q, k_cache, v_cache, table)
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    else:
+        out = _check_out(out, q)
+    lse = cupy.empty(q.shape[:2], dtype=cupy.float32) if return_lse else None
+    head_dim = q.shape[-1]
+    scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E
+
+    selection = _select(q, k_cache, v_cache, table, method)
+    if selection.method == "gather":
+        from .gather import gather_decode
+
+        gather_decode(q, k_cache, v_cache, table, scale, out, lse)
+    elif selection.method == "v1":
+        _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse)
+    else:
+        if plan is None:
+            plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype)
+        else:
+            _check_plan(plan, table, q, k_cache, dtype)
+        _launch_v2(q, k_cache, v_cache, table, plan, dtype, scale, out, lse)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------- launches
+def _elem_strides(a, ndim: int):
+    return tuple(np.int64(s // a.itemsize) for s in a.strides[:ndim])
+
+
+def _table_args(table: PageTable):
+    t = table.device()
+    return (t.indices, t.indptr, t.last_page_len, t.first_page_offset)
+
+
+class _PlanBuffers:
+    """Device copies of a plan's metadata and its merge workspace, made once per plan."""
+
+    def __init__(self, plan: DecodePlan):
+        import cupy
+
+        self.chunk_request = cupy.asarray(plan.chunk_request, dtype=cupy.int32)
+        self.o_indptr = cupy.asarray(plan.o_indptr, dtype=cupy.int32)
+        if plan.needs_merge:
+            self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
+            self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
+
+
+_plan_buffers: "weakref.WeakKeyDictionary[DecodePlan, _PlanBuffers]" = weakref.WeakKeyDictionary()
+
+
+def plan_buffers(plan: DecodePlan) -> _PlanBuffers:
+    """The plan's device buffers. The merge workspace is reused by every call
+    with this plan: do not run one plan on two streams at once."""
+    buf = _plan_buffers.get(plan)
+    if buf is None:
+        buf = _plan_buffers[plan] = _PlanBuffers(plan)
+    return buf
+
+
+def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scale, out, lse):
+    buf = plan_buffers(plan)
+    kernel = _loader.get_kernel("partial", dtype, plan.head_dim, _configs.HEADS_PER_CTA.index(plan.heads_per_cta))
+    if plan.needs_merge:
+        partial = (buf.partial_v, buf.partial_lse, _NULL, np.int64(0), np.int64(0), _NULL)
+    else:
+        partial = (_NULL, _NULL, out, *_elem_strides(out, 2), _NULL if lse is None else lse)
+    kernel(
+        plan.grid, (_THREADS,),
+        (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
+         *_table_args(table), buf.chunk_request, buf.o_indptr,
+         np.int32(plan.pages_per_chunk), np.int32(plan.page_size), np.int32(plan.num_qo_heads),
+         np.int32(plan.group_size), np.int32(plan.q_groups), np.float32(scale), *partial),
+    )
+    if plan.needs_merge:
+        _launch_merge(buf.partial_v, buf.partial_lse, buf.o_indptr, plan.batch_size, out, lse)
+
+
+def _launch_merge(v, v_lse, o_indptr, rows: int, out, lse):
+    heads, head_dim = v.shape[1], v.shape[2]
+    heads_per_cta = _THREADS // (head_dim // 4)
+    kernel = _loader.get_kernel("merge", _configs.dtype_name(out.dtype), head_dim)
+    grid = (rows, -(-heads // heads_per_cta), 1)
+    kernel(grid, (_THREADS,), (v, v_lse, o_indptr, np.int32(heads), out, *_elem_strides(out, 2),
+                               _NULL if lse is None else lse))
+
+
+def _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse):
+    batch, num_qo_heads, head_dim = q.shape
+    if batch == 0:
+        return
+    kernel = _loader.get_kernel("v1", dtype, head_dim)
+    kernel(
+        (batch, num_qo_heads, 1), (_THREADS,),
+        (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
+         *_table_args(table), np.int32(table.page_size), np.int32(num_qo_heads),
+         np.int32(num_qo_heads // k_cache.shape[2]), np.float32(scale), out, *_elem_strides(out, 2),
+         _NULL if lse is None else lse),
+    )

@@ -1,0 +1,84 @@
+"""The gather baseline ("strategy A") and universal fallback, CuPy only.
+
+Gathers each request's visible tokens into a padded contiguous
+``[batch, max_len, num_kv_heads, head_dim]`` K and V, then runs dense attention
+with batched cuBLAS matmuls (scores and softmax in float32). It serves any
+head_dim and any strides, which is why it is the fallback for shapes the CUDA
+kernels decline.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from .page_table import PageTable
+
+_index_cache: "weakref.WeakKeyDictionary[PageTable, tuple]" = weakref.WeakKeyDictionary()
+
+
+def token_index(table: PageTable):
+    """``(page [B, L], slot [B, L], valid [B, L])`` device arrays locating each
+    request's visible tokens (L = longest request, padding points at page 0 of
+    the first request's slot 0 and is masked). Computed once per table."""
+    cached = _index_cache.get(table)
+    if cached is not None:
+        return cached
+    import cupy
+
+    seq_lens = table.seq_lens
+    batch = table.batch_size
+    max_len = int(seq_lens.max(initial=0))
+    pos = np.arange(max_len, dtype=np.int64)[None, :] + table.first_page_offset[:, None].astype(np.int64)
+    valid = np.arange(max_len)[None, :] < seq_lens[:, None]
+    page_in_req = pos // table.page_size
+    flat = table.indptr[:-1, None].astype(np.int64) + page_in_req
+    flat = np.where(valid, flat, 0)
+    page = table.indices[np.minimum(flat, max(len(table.indices) - 1, 0))] if len(table.indices) else np.zeros_like(flat)
+    page = np.where(valid, page, 0)
+    slot = np.where(valid, pos % table.page_size, 0)
+    cached = (cupy.asarray(page.reshape(batch, max_len)), cupy.asarray(slot.reshape(batch, max_len)),
+              cupy.asarray(valid.reshape(batch, max_len)))
+    _index_cache[table] = cached
+    return cached
+
+
+def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out, lse=None) -> None:
+    """Writes the decode of ``q`` into ``out`` (and the log2 LSE into ``lse``).
+
+    ``scale_log2`` is ``sm_scale * log2(e)``; shapes as :func:`cupaged.decode`.
+    """
+    import cupy
+
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_qo_heads // num_kv_heads
+    page, slot, valid = token_index(table)
+    max_len = page.shape[1]
+    if batch == 0:
+        return
+    if max_len == 0:
+        out[...] = 0
+        if lse is not None:
+            lse[...] = -np.inf
+        return
+    # bfloat16 matmuls are not universally available in cuBLAS through CuPy:
+    # compute in float32 for it, natively for float16/float32.
+    compute = cupy.float32 if q.dtype not in (np.float16, np.float32) else q.dtype
+    k = k_cache[page, slot].astype(compute, copy=False)  # [B, L, Hkv, D]
+    v = v_cache[page, slot].astype(compute, copy=False)
+    qg = q.astype(compute, copy=False).reshape(batch, num_kv_heads, group, head_dim)
+    scores = cupy.matmul(qg, k.transpose(0, 2, 3, 1)).astype(cupy.float32)  # [B, Hkv, g, L]
+    scores *= np.float32(scale_log2)
+    scores = cupy.where(valid[:, None, None, :], scores, cupy.float32(-np.inf))
+    m = scores.max(axis=-1, keepdims=True)
+    m_safe = cupy.where(cupy.isfinite(m), m, cupy.float32(0))
+    p = cupy.exp2(scores - m_safe)
+    denom = p.sum(axis=-1, keepdims=True)
+    o = cupy.matmul(p.astype(compute), v.transpose(0, 2, 1, 3))  # [B, Hkv, g, D]
+    o = o.astype(cupy.float32) / cupy.where(denom > 0, denom, cupy.float32(1))
+    out[...] = o.reshape(batch, num_qo_heads, head_dim).astype(out.dtype)
+    if lse is not None:
+        lse_v = cupy.where(denom > 0, m_safe + cupy.log2(cupy.where(denom > 0, denom, 1)), -np.inf)
+        lse[...] = lse_v.reshape(batch, num_qo_heads)

@@ -1,0 +1,638 @@
+"""The CSR page table: which physical KV-cache pages each request reads.
+
+A :class:`PageTable` is the view the decode kernels consume. For a batch of
+``B`` requests and a cache of pages holding ``page_size`` tokens each:
+
+``indptr``            int32 ``[B+1]``  request ``i`` owns
+                                       ``indices[indptr[i]:indptr[i+1]]``
+``indices``           int32 ``[indptr[-1]]`` physical page ids, in token order
+``last_page_len``     int32 ``[B]``    entries used in the request's last page
+``first_page_offset`` int32 ``[B]``    first visible entry of its first page
+
+The visible tokens of request ``i`` start at entry ``first_page_offset[i]`` of
+its first page (a sliding window that starts mid-page) and end at entry
+``last_page_len[i] - 1`` of its last page, so
+
+    seq_len = (pages - 1) * page_size + last_page_len - first_page_offset.
+
+Every way this geometry can be wrong is an out-of-bounds read in a kernel, not
+a wrong number, so :meth:`PageTable.validate` checks every rule on every build
+and raises :class:`~cupaged.errors.PageTableError` naming the request and the
+rule.
+
+:func:`build_page_table` is the pure builder the block pool uses: it turns
+per-sequence state (block ids, ``logical_start``, written length) into a table
+plus the RoPE offsets, and is testable without a pool.
+
+CuPy is imported only when a device copy is asked for (:meth:`PageTable.device`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+
+from .errors import NoGPUError, PageTableError
+
+__all__ = ["PageTable", "DeviceTable", "build_page_table", "MAX_PAGE_SIZE"]
+
+MAX_PAGE_SIZE = 65536
+_INT32_MIN = int(np.iinfo(np.int32).min)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# Device segments start on 16-byte boundaries so a kernel may use vector loads.
+_DEVICE_ALIGN_ELEMS = 4
+
+
+class DeviceTable(NamedTuple):
+    """The four page-table arrays on the GPU: 1-D contiguous cupy int32 arrays
+    with the same shapes and values as the host arrays of a :class:`PageTable`."""
+
+    indices: Any
+    indptr: Any
+    last_page_len: Any
+    first_page_offset: Any
+
+
+def _check_page_size(page_size: Any) -> int:
+    """Return ``page_size`` as an int in ``[1, MAX_PAGE_SIZE]`` or raise."""
+    if isinstance(page_size, bool):
+        raise PageTableError(f"page_size must be an int, got {page_size!r}")
+    try:
+        p = operator.index(page_size)
+    except TypeError:
+        raise PageTableError(
+            f"page_size must be an int, got {type(page_size).__name__}"
+        ) from None
+    if not 1 <= p <= MAX_PAGE_SIZE:
+        raise PageTableError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {p}")
+    return p
+
+
+def _as_int_array(name: str, x: Any) -> np.ndarray:
+    """A 1-D integer NumPy array of ``x`` (a sequence or an integer array of
+    any width); raises :class:`PageTableError` for anything else. May return
+    ``x`` itself: callers that keep the result must copy."""
+    if hasattr(x, "dtype") and hasattr(x, "get") and not isinstance(x, np.ndarray):
+        x = x.get()  # cupy -> numpy
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as e:  # ragged or non-numeric input
+        raise PageTableError(f"{name} must be a 1-D integer sequence: {e}") from None
+    if arr.ndim != 1:
+        raise PageTableError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)  # np.asarray([]) is float64
+    if arr.dtype == object:
+        # Python ints beyond int64 land here; keep them exact to report range.
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr):
+            raise PageTableError(f"{name} must contain integers")
+        return arr
+    if arr.dtype.kind not in "iu":
+        raise PageTableError(f"{name} must contain integers, got dtype {arr.dtype}")
+    return arr
+
+
+def _minmax(arr: np.ndarray) -> tuple[int, int]:
+    """Exact (min, max) of a non-empty integer array, object arrays included."""
+    if arr.dtype == object:
+        return int(min(arr)), int(max(arr))
+    return int(arr.min()), int(arr.max())
+
+
+def _as_int64(name: str, x: Any) -> np.ndarray:
+    """:func:`_as_int_array` narrowed to a fresh int64 array."""
+    arr = _as_int_array(name, x)
+    if arr.size:
+        lo, hi = _minmax(arr)
+        if lo < np.iinfo(np.int64).min or hi > np.iinfo(np.int64).max:
+            raise PageTableError(f"{name} values must fit in int64")
+    return np.array(arr, dtype=np.int64)
+
+
+def _to_int32(name: str, x: Any) -> np.ndarray:
+    """Convert one constructor argument to a fresh read-only 1-D int32 array.
+
+    NumPy and CuPy arrays must already be int32 (a silent cast could wrap a
+    page id); Python sequences are converted, with a range check."""
+    strict = isinstance(x, np.ndarray) or (hasattr(x, "dtype") and hasattr(x, "get"))
+    if strict:
+        if np.dtype(x.dtype) != np.int32:
+            raise PageTableError(f"{name} must be int32, got {np.dtype(x.dtype)}")
+        if x.ndim != 1:
+            raise PageTableError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+        host = x.get() if not isinstance(x, np.ndarray) else x
+        out = np.array(host, dtype=np.int32, copy=True)
+    else:
+        arr = _as_int_array(name, x)
+        if arr.size:
+            lo, hi = _minmax(arr)
+            if lo < _INT32_MIN or hi > _INT32_MAX:
+                raise PageTableError(
+                    f"{name} values must fit in int32, got range [{lo}, {hi}]"
+                )
+        out = np.array(arr, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+def _first(mask: np.ndarray) -> int:
+    """Index of the first True in a non-empty boolean mask, or -1."""
+    return int(mask.argmax()) if mask.any() else -1
+
+
+class PageTable:
+    """CSR page table of a decode batch (see the module docstring).
+
+    Parameters
+    ----------
+    indices, indptr, last_page_len, first_page_offset:
+        1-D int32 NumPy/CuPy arrays or Python integer sequences; shapes
+        ``[indptr[-1]]``, ``[B+1]``, ``[B]``, ``[B]``. ``first_page_offset``
+        defaults to zeros. Arrays of another dtype (int64 included) are
+        rejected rather than cast, so a wrapped page id can never slip through.
+    page_size:
+        Tokens per page, ``1..65536``.
+    num_pages:
+        If given, also :meth:`check_page_ids` against a cache of this many pages.
+
+    The stored arrays are read-only int32 NumPy copies. A request with pages
+    needs ``1 <= last_page_len <= page_size``, ``0 <= first_page_offset <
+    page_size`` and, with one page, ``first_page_offset < last_page_len``; a
+    request with zero pages (fully trimmed, ``seq_len`` 0) needs
+    ``first_page_offset == 0`` and ``0 <= last_page_len <= page_size``.
+
+    Example: pages of 4, one request reading tokens 2..9 of pages ``[7, 3, 5]``:
+    ``PageTable([7, 3, 5], [0, 3], [2], [2], page_size=4).seq_lens == [8]``.
+    """
+
+    __slots__ = (
+        "indices",
+        "indptr",
+        "last_page_len",
+        "first_page_offset",
+        "page_size",
+        "_request_pages",
+        "_seq_lens",
+        "_max_page_id",
+        "_device",
+        "__weakref__",  # gather index and plan caches key on the table
+    )
+
+    def __init__(
+        self,
+        indices: Any,
+        indptr: Any,
+        last_page_len: Any,
+        first_page_offset: Any = None,
+        *,
+        page_size: int,
+        num_pages: int | None = None,
+    ) -> None:
+        page_size = _check_page_size(page_size)
+        indices_a = _to_int32("indices", indices)
+        indptr_a = _to_int32("indptr", indptr)
+        last_a = _to_int32("last_page_len", last_page_len)
+        if first_page_offset is None:
+            off_a = np.zeros(max(indptr_a.shape[0] - 1, 0), dtype=np.int32)
+            off_a.setflags(write=False)
+        else:
+            off_a = _to_int32("first_page_offset", first_page_offset)
+        self._init_checked(indices_a, indptr_a, last_a, off_a, page_size)
+        if num_pages is not None:
+            self.check_page_ids(num_pages)
+
+    @classmethod
+    def _from_owned(
+        cls,
+        indices: np.ndarray,
+        indptr: np.ndarray,
+        last_page_len: np.ndarray,
+        first_page_offset: np.ndarray,
+        page_size: int,
+    ) -> "PageTable":
+        """Build from fresh int32 arrays this module created (no copies); still
+        validates, so every table that exists has passed :meth:`validate`."""
+        for a in (indices, indptr, last_page_len, first_page_offset):
+            a.setflags(write=False)
+        self = cls.__new__(cls)
+        self._init_checked(indices, indptr, last_page_len, first_page_offset, page_size)
+        return self
+
+    def _init_checked(self, indices, indptr, last, off, page_size) -> None:
+        self.indices = indices
+        self.indptr = indptr
+        self.last_page_len = last
+        self.first_page_offset = off
+        self.page_size = page_size
+        self._device = None
+        self.validate()
+        pages = np.diff(indptr).astype(np.int32)
+        # Zero-page requests get 0, not (−1)*P + last − 0.
+        seq = np.where(
+            pages > 0,
+            (pages.astype(np.int64) - 1) * page_size
+            + last.astype(np.int64)
+            - off.astype(np.int64),
+            0,
+        ).astype(np.int64)
+        pages.setflags(write=False)
+        seq.setflags(write=False)
+        self._request_pages = pages
+        self._seq_lens = seq
+        self._max_page_id = int(indices.max()) if indices.size else -1
+
+    # -- derived facts -----------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Number of requests ``B``."""
+        return int(self.indptr.shape[0]) - 1
+
+    @property
+    def request_pages(self) -> np.ndarray:
+        """Read-only int32 ``[B]``: pages of each request, ``diff(indptr)``."""
+        return self._request_pages
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Read-only int64 ``[B]``: visible tokens per request (0 for a
+        zero-page request)."""
+        return self._seq_lens
+
+    @property
+    def max_page_id(self) -> int:
+        """Largest physical page id in ``indices``; -1 when there are none."""
+        return self._max_page_id
+
+    # -- checks ------------------------------------------------------------
+
+    def validate(self) -> None:
+        """Check every rule of the CSR view; raise :class:`PageTableError`
+        naming the offending request (the lowest-numbered one) and the rule.
+
+        Structural rules come first (shapes, ``indptr``), since the per-request
+        rules are meaningless without them. The geometry identity
+        ``(pages-1)*P + last - off == seq_len`` then holds by construction of
+        :attr:`seq_lens`; the bounds below are what make it describe tokens
+        that really lie inside the listed pages.
+        """
+        indices, indptr = self.indices, self.indptr
+        last, off, P = self.last_page_len, self.first_page_offset, self.page_size
+        for name, a in (
+            ("indices", indices),
+            ("indptr", indptr),
+            ("last_page_len", last),
+            ("first_page_offset", off),
+        ):
+            if a.ndim != 1 or a.dtype != np.int32:
+                raise PageTableError(f"{name} must be a 1-D int32 array")
+        if indptr.shape[0] < 1:
+            raise PageTableError("indptr must have B+1 >= 1 entries, got 0")
+        if indptr[0] != 0:
+            raise PageTableError(f"indptr[0] must be 0, got {int(indptr[0])}")
+        B = indptr.shape[0] - 1
+        pages = np.diff(indptr.astype(np.int64))
+        i = _first(pages < 0)
+        if i >= 0:
+            raise PageTableError(
+                f"request {i}: indptr must be non-decreasing, but "
+                f"indptr[{i}]={int(indptr[i])} > indptr[{i + 1}]={int(indptr[i + 1])}"
+            )
+        if int(indptr[-1]) != indices.shape[0]:
+            raise PageTableError(
+                f"indptr[-1] must equal len(indices): indptr[-1]={int(indptr[-1])}, "
+                f"len(indices)={indices.shape[0]}"
+            )
+        for name, a in (("last_page_len", last), ("first_page_offset", off)):
+            if a.shape[0] != B:
+                raise PageTableError(
+                    f"{name} must have B={B} entries (len(indptr)-1), got {a.shape[0]}"
+                )
+
+        has = pages > 0
+        # (mask, message builder) per rule, in the order a request is judged.
+        rules: list[tuple[np.ndarray, Callable[[int], str]]] = [
+            (
+                has & ((last < 1) | (last > P)),
+                lambda i: f"last_page_len must be in [1, page_size={P}] for a "
+                f"request with pages, got {int(last[i])}",
+            ),
+            (
+                has & ((off < 0) | (off >= P)),
+                lambda i: f"first_page_offset must be in [0, page_size={P}), "
+                f"got {int(off[i])}",
+            ),
+            (
+                (pages == 1) & (off >= last),
+                lambda i: "a one-page request needs first_page_offset < "
+                f"last_page_len, got first_page_offset={int(off[i])}, "
+                f"last_page_len={int(last[i])}",
+            ),
+            (
+                ~has & (off != 0),
+                lambda i: "a zero-page request needs first_page_offset == 0, "
+                f"got {int(off[i])}",
+            ),
+            (
+                ~has & ((last < 0) | (last > P)),
+                lambda i: f"a zero-page request needs last_page_len in "
+                f"[0, page_size={P}], got {int(last[i])}",
+            ),
+        ]
+        neg = indices < 0
+        if neg.any():
+            # Attribute each bad index to the request whose slice holds it.
+            owner = np.searchsorted(indptr, np.flatnonzero(neg), side="right") - 1
+            bad_req = np.zeros(B, dtype=bool)
+            bad_req[owner] = True
+            def neg_msg(i: int) -> str:
+                k = int(indptr[i]) + _first(indices[indptr[i] : indptr[i + 1]] < 0)
+                return f"page ids must be >= 0, got indices[{k}]={int(indices[k])}"
+
+            rules.append((bad_req, neg_msg))
+        worst = None
+        for mask, msg in rules:
+            i = _first(mask)
+            if i >= 0 and (worst is None or i < worst[0]):
+                worst = (i, msg)
+        if worst is not None:
+            i, msg = worst
+            raise PageTableError(f"request {i}: {msg(i)}")
+
+    def check_page_ids(self, num_pages: int) -> None:
+        """Check every page id is ``< num_pages`` (the cache's first dim);
+        raise :class:`PageTableError` naming the first offending request and id.
+        O(1) after construction unless some id is out of range."""
+        try:
+            n = operator.index(num_pages)
+        except TypeError:
+            raise PageTableError(
+                f"num_pages must be an int, got {type(num_pages).__name__}"
+            ) from None
+        if n < 0:
+            raise PageTableError(f"num_pages must be >= 0, got {n}")
+        if self._max_page_id < n:
+            return
+        k = _first(self.indices >= n)
+        i = int(np.searchsorted(self.indptr, k, side="right")) - 1
+        raise PageTableError(
+            f"request {i}: page id {int(self.indices[k])} at indices[{k}] is out "
+            f"of range for a cache of num_pages={n}"
+        )
+
+    # -- device copy -------------------------------------------------------
+
+    def device(self) -> DeviceTable:
+        """The table as cupy int32 arrays on the current device, uploaded on
+        the first call (for that device) and cached.
+
+        The four arrays are views of one device buffer filled by a single
+        host-to-device copy. Call this before capturing a CUDA graph: the
+        upload itself cannot be captured. Raises
+        :class:`~cupaged.errors.NoGPUError` when CuPy or a CUDA device is
+        missing.
+        """
+        try:
+            import cupy
+        except ImportError as e:  # pragma: no cover - cupy is a dependency
+            raise NoGPUError(f"cupy is not importable: {e}") from e
+        try:
+            dev = cupy.cuda.runtime.getDevice()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise NoGPUError(f"no CUDA device: {e}") from e
+        cached = self._device
+        if cached is not None and cached[0] == dev:
+            return cached[1]
+        parts = (self.indices, self.indptr, self.last_page_len, self.first_page_offset)
+        a = _DEVICE_ALIGN_ELEMS
+        starts, total = [], 0
+        for p in parts:
+            starts.append(total)
+            total += -(-p.shape[0] // a) * a
+        host = np.zeros(max(total, 1), dtype=np.int32)
+        for s, p in zip(starts, parts):
+            host[s : s + p.shape[0]] = p
+        buf = cupy.asarray(host)
+        table = DeviceTable(
+            *(buf[s : s + p.shape[0]] for s, p in zip(starts, parts))
+        )
+        self._device = (dev, table)
+        return table
+
+    # -- construction helpers ----------------------------------------------
+
+    @classmethod
+    def from_seq_lens(
+        cls,
+        seq_lens: Any,
+        page_size: int,
+        first_page_offset: Any = None,
+        *,
+        page_ids: Any = None,
+    ) -> "PageTable":
+        """Table for requests of the given visible lengths.
+
+        Request ``i`` with ``len = seq_lens[i]`` and ``off =
+        first_page_offset[i]`` (default 0) gets ``ceil((off + len) / P)`` pages
+        (0 when ``len == 0``, which then needs ``off == 0``) and
+        ``last_page_len = off + len - (pages - 1) * P`` (0 for zero pages), so
+        an exactly full last page gets ``P``, not 0. Physical ids are taken in
+        order from ``page_ids`` (any integer array/sequence with at least as
+        many ids as pages in total) or ``0, 1, 2, ...``.
+
+        Example: ``from_seq_lens([5, 8, 0], 4, [3, 0, 0])`` gives ``indptr
+        [0, 2, 4, 4]``, ``last_page_len [4, 4, 0]``.
+        """
+        P = _check_page_size(page_size)
+        lens = _as_int64("seq_lens", seq_lens)
+        B = lens.shape[0]
+        if first_page_offset is None:
+            off = np.zeros(B, dtype=np.int64)
+        else:
+            off = _as_int64("first_page_offset", first_page_offset)
+            if off.shape[0] != B:
+                raise PageTableError(
+                    f"first_page_offset must have B={B} entries (len(seq_lens)), "
+                    f"got {off.shape[0]}"
+                )
+        for mask, rule in (
+            (lens < 0, lambda i: f"seq_len must be >= 0, got {int(lens[i])}"),
+            (
+                (off < 0) | (off >= P),
+                lambda i: f"first_page_offset must be in [0, page_size={P}), "
+                f"got {int(off[i])}",
+            ),
+            (
+                (lens == 0) & (off != 0),
+                lambda i: "a zero-length request needs first_page_offset == 0, "
+                f"got {int(off[i])}",
+            ),
+        ):
+            i = _first(mask)
+            if i >= 0:
+                raise PageTableError(f"request {i}: {rule(i)}")
+        pages = np.where(lens > 0, -(-(off + lens) // P), 0)
+        last = np.where(pages > 0, off + lens - (pages - 1) * P, 0)
+        indptr = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(pages, out=indptr[1:])
+        total = int(indptr[-1])
+        if total > _INT32_MAX:
+            raise PageTableError(f"total pages {total} do not fit in int32 indptr")
+        if page_ids is None:
+            ids = np.arange(total, dtype=np.int32)
+        else:
+            src = _as_int_array("page_ids", page_ids)
+            if src.shape[0] < total:
+                raise PageTableError(
+                    f"page_ids has {src.shape[0]} ids, the requests need {total}"
+                )
+            src = src[:total]
+            lo, hi = _minmax(src) if total else (0, 0)
+            if lo < 0 or hi > _INT32_MAX:
+                raise PageTableError(
+                    f"page_ids must be in [0, {_INT32_MAX}], got range [{lo}, {hi}]"
+                )
+            ids = np.array(src, dtype=np.int32)
+        return cls._from_owned(
+            ids,
+            indptr.astype(np.int32),
+            last.astype(np.int32),
+            off.astype(np.int32),
+            P,
+        )
+
+    def __repr__(self) -> str:
+        lens = np.array2string(self._seq_lens, threshold=8)
+        return (
+            f"PageTable(batch_size={self.batch_size}, page_size={self.page_size}, "
+            f"pages={self.indices.shape[0]}, seq_lens={lens})"
+        )
+
+
+def build_page_table(
+    states: Sequence[Any],
+    page_size: int,
+    resolve: Callable[[int], int] | Any = None,
+) -> tuple[PageTable, np.ndarray]:
+    """Build the CSR view of a batch of sequences; a pure function.
+
+    ``states[i]`` is any object with ``.pages`` (block ids; the first holds
+    token ``logical_start``), ``.logical_start`` (first visible absolute
+    position) and ``.length`` (written length = absolute next position).
+    For each: ``visible = length - logical_start``; ``first_page_offset =
+    logical_start % P``; ``pages = 0 if visible == 0 else ceil(length / P) -
+    logical_start // P``, which must equal ``len(.pages)``. A zero-page request
+    gets ``first_page_offset = last_page_len = 0`` (what :meth:`PageTable.validate`
+    requires of it).
+
+    ``resolve`` maps a block id to a physical page id: a callable, an integer
+    array indexed by block id, or None for the identity.
+
+    Returns ``(table, rope_offsets)``, ``rope_offsets`` int64 ``[B]`` =
+    ``length`` (the absolute position of the next token, which differs from
+    the visible length exactly when the front was trimmed).
+
+    Example (P = 4): ``pages=(9, 2), logical_start=3, length=7`` gives
+    ``first_page_offset 3, last_page_len 3, seq_len 4, rope_offset 7``.
+    """
+    return _build_page_table(states, page_size, resolve, check_ints=True)
+
+
+def _build_page_table(
+    states: Sequence[Any], page_size: int, resolve: Any, *, check_ints: bool
+) -> tuple[PageTable, np.ndarray]:
+    """:func:`build_page_table`; ``check_ints=False`` skips the per-id int
+    check (np.fromiter would silently truncate a float id) for callers whose
+    page ids are ints by construction, such as the block pool."""
+    P = _check_page_size(page_size)
+    B = len(states)
+    indptr = np.zeros(B + 1, dtype=np.int64)
+    last = np.zeros(B, dtype=np.int32)
+    off = np.zeros(B, dtype=np.int32)
+    rope = np.zeros(B, dtype=np.int64)
+    for i, st in enumerate(states):
+        try:
+            start = operator.index(st.logical_start)
+            length = operator.index(st.length)
+        except TypeError:
+            raise PageTableError(
+                f"request {i}: logical_start and length must be ints"
+            ) from None
+        if start < 0:
+            raise PageTableError(f"request {i}: logical_start must be >= 0, got {start}")
+        if length < start:
+            raise PageTableError(
+                f"request {i}: length must be >= logical_start (visible length "
+                f"would be negative), got length={length}, logical_start={start}"
+            )
+        n = 0 if length == start else -(-length // P) - start // P
+        if len(st.pages) != n:
+            raise PageTableError(
+                f"request {i}: has {len(st.pages)} pages but logical_start={start}, "
+                f"length={length}, page_size={P} need {n}"
+            )
+        indptr[i + 1] = indptr[i] + n
+        if n:
+            off[i] = start % P
+            last[i] = (length - 1) % P + 1  # an exactly full page is P, not 0
+        rope[i] = length
+    total = int(indptr[-1])
+    if total > _INT32_MAX:
+        raise PageTableError(f"total pages {total} do not fit in int32 indptr")
+    blocks = itertools.chain.from_iterable(st.pages for st in states)
+    if check_ints:
+        blocks = map(operator.index, blocks)
+    try:
+        if resolve is None:
+            ids = np.fromiter(blocks, dtype=np.int64, count=total)
+        elif callable(resolve):
+            ids = np.fromiter(
+                (operator.index(resolve(b)) for b in blocks), dtype=np.int64, count=total
+            )
+        else:
+            bids = np.fromiter(blocks, dtype=np.int64, count=total)
+    except (TypeError, OverflowError) as e:
+        raise _bad_id_error(states, resolve, e) from None
+    if resolve is not None and not callable(resolve):
+        table_map = _as_int_array("resolve", resolve)
+        # A negative block id would silently index from the end.
+        k = _first((bids < 0) | (bids >= table_map.shape[0])) if total else -1
+        if k >= 0:
+            i = int(np.searchsorted(indptr, k, side="right")) - 1
+            raise PageTableError(
+                f"request {i}: block id {int(bids[k])} is outside the resolve map "
+                f"of {table_map.shape[0]} entries"
+            )
+        ids = np.asarray(table_map[bids], dtype=np.int64)
+    # Range-check before the int32 cast, which would wrap silently.
+    k = _first((ids < 0) | (ids > _INT32_MAX)) if total else -1
+    if k >= 0:
+        i = int(np.searchsorted(indptr, k, side="right")) - 1
+        raise PageTableError(
+            f"request {i}: page ids must be in [0, {_INT32_MAX}], got {int(ids[k])}"
+        )
+    table = PageTable._from_owned(
+        ids.astype(np.int32), indptr.astype(np.int32), last, off, P
+    )
+    return table, rope
+
+
+def _bad_id_error(states: Sequence[Any], resolve: Any, err: Exception) -> PageTableError:
+    """Name the request behind a non-int or oversized block/page id (the slow
+    path, taken only once the fast conversion has failed)."""
+    for i, st in enumerate(states):
+        for b in st.pages:
+            try:
+                v = operator.index(b)
+                if callable(resolve):
+                    v = operator.index(resolve(b))
+                if not -(2**63) <= v < 2**63:
+                    raise OverflowError
+            except (TypeError, OverflowError):
+                return PageTableError(
+                    f"request {i}: page ids must be ints in [0, {_INT32_MAX}], got {b!r}"
+                )
+    return PageTableError(f"page ids must be ints in [0, {_INT32_MAX}]: {err}")

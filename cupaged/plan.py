@@ -1,0 +1,495 @@
+"""Host-side planning of a split-KV paged-attention decode.
+
+The partial kernel runs one CTA per **(chunk, kv head, q-head group)** triple.
+A *chunk* is a run of at most ``pages_per_chunk`` consecutive pages of one
+request; every request gets at least one chunk (a zero-page request gets one
+empty chunk, so the output keeps exactly one row per request).  The CTA reads
+each KV element of its chunk once and serves every query head of its group.
+
+:func:`plan_decode` turns a :class:`~cupaged.page_table.PageTable` into a
+:class:`DecodePlan`: plain, frozen, read-only data that the kernels and the
+dispatcher read field by field.  A plan can be reused across decode steps as
+long as :meth:`DecodePlan.matches` holds for the new table (no request changed
+its chunk count, same batch and page size).
+
+Everything here is NumPy on the host; cupy is imported lazily and only to read
+the SM count of the current device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers "bfloat16" with np.dtype)
+import numpy as np
+
+from .errors import PlanMismatchError
+
+__all__ = [
+    "MAX_HEADS_PER_CTA",
+    "CTAS_PER_SM",
+    "DEFAULT_NUM_SMS",
+    "MAX_GRID_X",
+    "MAX_GRID_YZ",
+    "SUPPORTED_DTYPES",
+    "heads_per_cta",
+    "default_target_ctas",
+    "num_chunks",
+    "choose_pages_per_chunk",
+    "device_num_sms",
+    "resolve_num_sms",
+    "resolve_target_ctas",
+    "DecodePlan",
+    "plan_decode",
+]
+
+#: Most query heads one CTA serves (its q-head group).
+MAX_HEADS_PER_CTA = 8
+#: Resident CTAs per SM the default target aims for.
+CTAS_PER_SM = 4
+#: SM count used when neither the argument, a device nor the env var gives one
+#: (an NVIDIA H200 has 132 SMs).
+DEFAULT_NUM_SMS = 132
+#: CUDA grid limits.
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_YZ = 65535
+
+ENV_NUM_SMS = "CUPAGED_NUM_SMS"
+ENV_TARGET_CTAS = "CUPAGED_TARGET_CTAS"
+
+#: KV dtypes the kernels are instantiated for.
+SUPPORTED_DTYPES = (
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(ml_dtypes.bfloat16),
+)
+
+
+# --------------------------------------------------------------------------
+# argument checking
+# --------------------------------------------------------------------------
+def _positive_int(value: Any, name: str) -> int:
+    """``value`` as a Python int >= 1, else ValueError naming ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def _request_pages(request_pages: Any) -> np.ndarray:
+    """``request_pages`` as a 1-D non-negative int64 array."""
+    arr = np.asarray(request_pages)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"request_pages must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(
+            f"request_pages must hold integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.min() < 0:
+        raise ValueError("request_pages must be non-negative")
+    return arr
+
+
+def _kv_dtype(dtype: Any) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise ValueError(
+            f"dtype must be float16, float32 or bfloat16, got {dtype!r}") from exc
+    if dt not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"dtype must be float16, float32 or bfloat16, got {dt}")
+    return dt
+
+
+# --------------------------------------------------------------------------
+# heuristics (pure functions)
+# --------------------------------------------------------------------------
+def heads_per_cta(group_size: int) -> int:
+    """Query heads one CTA serves: the largest divisor of ``group_size`` that
+    is ``<= MAX_HEADS_PER_CTA`` (8).
+
+    The query heads of one KV head (its group of ``group_size`` heads) are split
+    into ``group_size // heads_per_cta`` equal q-head groups, each one CTA.
+
+    >>> [heads_per_cta(g) for g in (1, 4, 6, 8, 12, 16)]
+    [1, 4, 6, 8, 6, 8]
+    >>> heads_per_cta(7), heads_per_cta(11)   # primes above 8 -> 1 head per CTA
+    (7, 1)
+    """
+    g = _positive_int(group_size, "group_size")
+    for h in range(min(g, MAX_HEADS_PER_CTA), 0, -1):
+        if g % h == 0:
+            return h
+    return 1  # pragma: no cover (h == 1 always divides)
+
+
+def default_target_ctas(num_sms: int) -> int:
+    """Default CTA count to saturate a device: ``CTAS_PER_SM * num_sms``.
+
+    >>> default_target_ctas(132)   # H200
+    528
+    """
+    return CTAS_PER_SM * _positive_int(num_sms, "num_sms")
+
+
+def _chunks_per_request(pages: np.ndarray, c: int) -> np.ndarray:
+    # ceil(p / c) without overflow (p + c - 1 may overflow for huge c),
+    # and at least one chunk per request.
+    return np.maximum(1, -((-pages) // c))
+
+
+def num_chunks(request_pages: Any, pages_per_chunk: int) -> int:
+    """Total chunk count ``sum_i max(1, ceil(pages_i / c))`` (vectorized).
+
+    Non-increasing in ``c``.
+
+    >>> num_chunks([256], 3), num_chunks([256], 4)
+    (86, 64)
+    >>> num_chunks([0, 1, 5], 2)   # the zero-page request still gets one chunk
+    5
+    """
+    c = _positive_int(pages_per_chunk, "pages_per_chunk")
+    pages = _request_pages(request_pages)
+    return int(_chunks_per_request(pages, c).sum())
+
+
+def choose_pages_per_chunk(request_pages: Any, ctas_per_chunk: int,
+                           target_ctas: int) -> int:
+    """Largest ``c`` in ``[1, max(1, max pages)]`` with
+    ``num_chunks(request_pages, c) * ctas_per_chunk >= target_ctas``;
+    1 when even ``c = 1`` falls short of the target.
+
+    Among chunk sizes that still saturate the device, the largest one does the
+    least merge work.  ``num_chunks`` is non-increasing in ``c``, so the set of
+    feasible ``c`` is a prefix ``[1, c*]`` and a binary search finds ``c*``.
+
+    Worked example: batch 1, ctx 4096 at page size 16 -> 256 pages; 8 KV heads
+    and 1 q group -> 8 CTAs per chunk; target 528 (4 x 132 SMs).
+    ``c = 3`` gives ``ceil(256/3) = 86`` chunks -> 688 CTAs >= 528, while
+    ``c = 4`` gives 64 chunks -> 512 CTAs < 528, so ``c = 3``.
+
+    >>> choose_pages_per_chunk([256], 8, 528)
+    3
+    >>> choose_pages_per_chunk([4, 4], 8, 10_000)   # falls short -> 1
+    1
+    >>> choose_pages_per_chunk([0, 0], 8, 1)        # no pages at all
+    1
+    """
+    cpc = _positive_int(ctas_per_chunk, "ctas_per_chunk")
+    target = _positive_int(target_ctas, "target_ctas")
+    pages = _request_pages(request_pages)
+    hi = max(1, int(pages.max()) if pages.size else 1)
+    lo = 1
+    if int(_chunks_per_request(pages, lo).sum()) * cpc < target:
+        return 1
+    # invariant: lo is feasible; answer in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if int(_chunks_per_request(pages, mid).sum()) * cpc >= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# --------------------------------------------------------------------------
+# device / environment
+# --------------------------------------------------------------------------
+_SM_CACHE: dict[int, int] = {}
+
+
+def device_num_sms() -> int | None:
+    """SM count of the current CUDA device, or None when cupy cannot be
+    imported or no device is visible (every exception is swallowed)."""
+    try:
+        import cupy  # noqa: WPS433 (lazy on purpose)
+
+        if cupy.cuda.runtime.getDeviceCount() <= 0:
+            return None
+        dev = int(cupy.cuda.runtime.getDevice())
+        sms = _SM_CACHE.get(dev)
+        if sms is None:
+            attrs = cupy.cuda.Device(dev).attributes
+            sms = int(attrs["MultiProcessorCount"])
+            _SM_CACHE[dev] = sms
+        return sms if sms > 0 else None
+    except Exception:  # noqa: BLE001  no cupy, no driver, no device ...
+        return None
+
+
+def _env_positive_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name} must be a positive integer, "
+            f"got {raw!r}") from None
+    if value < 1:
+        raise ValueError(
+            f"environment variable {name} must be a positive integer, "
+            f"got {raw!r}")
+    return value
+
+
+def resolve_num_sms(num_sms: int | None = None) -> int:
+    """SM count: argument > current CUDA device > env ``CUPAGED_NUM_SMS`` > 132.
+
+    The env variable is read at call time.
+    """
+    if num_sms is not None:
+        return _positive_int(num_sms, "num_sms")
+    dev = device_num_sms()
+    if dev is not None:
+        return dev
+    env = _env_positive_int(ENV_NUM_SMS)
+    if env is not None:
+        return env
+    return DEFAULT_NUM_SMS
+
+
+def resolve_target_ctas(target_ctas: int | None = None,
+                        num_sms: int | None = None) -> int:
+    """CTA target: argument > env ``CUPAGED_TARGET_CTAS`` >
+    ``default_target_ctas(resolve_num_sms(num_sms))``; env read at call time."""
+    if target_ctas is not None:
+        return _positive_int(target_ctas, "target_ctas")
+    env = _env_positive_int(ENV_TARGET_CTAS)
+    if env is not None:
+        return env
+    return default_target_ctas(resolve_num_sms(num_sms))
+
+
+# --------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------
+def _readonly_int32(arr: Any, name: str) -> np.ndarray:
+    a = np.asarray(arr)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    a = np.array(a, dtype=np.int32, copy=True, order="C")
+    a.flags.writeable = False
+    return a
+
+
+_ARRAY_FIELDS = ("chunk_request", "chunk_index", "o_indptr", "request_chunks")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodePlan:
+    """Plain frozen description of one split-KV decode launch.
+
+    ``eq=False``: plans compare and hash by identity (usable as dict keys and
+    through ``weakref``).  Every array is a read-only C-contiguous ``np.int32``.
+
+    Fields (the kernels and the dispatcher read exactly these):
+
+    * ``batch_size, num_qo_heads, num_kv_heads, head_dim, page_size``
+    * ``dtype``: ``np.dtype`` of the KV cache (float16, float32, bfloat16).
+    * ``group_size = num_qo_heads // num_kv_heads``; query head ``h`` reads
+      KV head ``h // group_size``.
+    * ``heads_per_cta``: query heads served by one CTA;
+      ``q_groups = group_size // heads_per_cta``.
+    * ``pages_per_chunk`` (``c``), ``target_ctas``, ``num_chunks``.
+    * ``chunk_request [num_chunks]``: request of each chunk (non-decreasing).
+    * ``chunk_index [num_chunks]``: index ``j`` of the chunk within its
+      request; its pages are ``[j*c, min((j+1)*c, pages_i))`` relative to the
+      request's first page.
+    * ``o_indptr [B+1]``: chunks of request ``i`` are
+      ``o_indptr[i]:o_indptr[i+1]`` (the merge kernel's CSR).
+    * ``request_chunks [B]``: ``max(1, ceil(pages_i / c))``.
+    * ``num_ctas = num_chunks * num_kv_heads * q_groups``.
+    * ``grid = (num_chunks, num_kv_heads * q_groups, 1)``.
+    * ``needs_merge``: some request has more than one chunk.
+    * ``workspace_bytes``: float32 partial outputs ``[num_chunks, Hq, D]`` plus
+      partial LSEs ``[num_chunks, Hq]`` when ``needs_merge``, else 0.
+    """
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: np.dtype
+    group_size: int
+    heads_per_cta: int
+    q_groups: int
+    pages_per_chunk: int
+    target_ctas: int
+    num_chunks: int
+    chunk_request: np.ndarray = dataclasses.field(repr=False)
+    chunk_index: np.ndarray = dataclasses.field(repr=False)
+    o_indptr: np.ndarray = dataclasses.field(repr=False)
+    request_chunks: np.ndarray = dataclasses.field(repr=False)
+    num_ctas: int
+    grid: tuple[int, int, int]
+    needs_merge: bool
+    workspace_bytes: int
+
+    def __post_init__(self) -> None:
+        for name in _ARRAY_FIELDS:
+            object.__setattr__(self, name,
+                               _readonly_int32(getattr(self, name), name))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "grid", tuple(int(v) for v in self.grid))
+
+    # -- reuse across decode steps -----------------------------------------
+    def matches(self, table: Any) -> bool:
+        """True when this plan can serve ``table``: same batch size and page
+        size, and every request still has ``request_chunks[i]`` chunks at this
+        ``pages_per_chunk``.  Cheap and vectorized (one pass over ``B``)."""
+        if int(table.batch_size) != self.batch_size:
+            return False
+        if int(table.page_size) != self.page_size:
+            return False
+        pages = np.asarray(table.request_pages, dtype=np.int64)
+        counts = _chunks_per_request(pages, self.pages_per_chunk)
+        return bool(np.array_equal(counts, self.request_chunks))
+
+    # -- geometry helpers (tests, reference, debugging) ---------------------
+    def chunk_page_ranges(self, table: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, end)`` int64 ``[num_chunks]``: each chunk's slice of
+        ``table.indices`` (absolute CSR positions).  A zero-page request's
+        chunk is the empty range ``[indptr[i], indptr[i])``."""
+        self._check_table(table)
+        indptr = np.asarray(table.indptr, dtype=np.int64)
+        req = self.chunk_request.astype(np.int64)
+        first = indptr[req]
+        last = indptr[req + 1]
+        start = np.minimum(first + self.chunk_index.astype(np.int64)
+                           * self.pages_per_chunk, last)
+        end = np.minimum(start + self.pages_per_chunk, last)
+        return start, end
+
+    def chunk_token_ranges(self, table: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(start, end)`` int64 ``[num_chunks]``: visible-token positions of
+        each chunk, measured from the first visible token of its request
+        (which sits at entry ``first_page_offset[i]`` of the first page).
+        Per request the ranges tile ``[0, seq_len_i)`` in order; a zero-page
+        request's chunk is ``[0, 0)``."""
+        self._check_table(table)
+        P = self.page_size
+        req = self.chunk_request.astype(np.int64)
+        pages = np.asarray(table.request_pages, dtype=np.int64)[req]
+        off = np.asarray(table.first_page_offset, dtype=np.int64)[req]
+        seq = np.asarray(table.seq_lens, dtype=np.int64)[req]
+        p0 = np.minimum(self.chunk_index.astype(np.int64) * self.pages_per_chunk,
+                        pages)
+        p1 = np.minimum(p0 + self.pages_per_chunk, pages)
+        start = np.clip(p0 * P - off, 0, seq)
+        end = np.clip(p1 * P - off, 0, seq)
+        return start, end
+
+    def _check_table(self, table: Any) -> None:
+        if not self.matches(table):
+            raise PlanMismatchError(
+                "plan does not match the page table (batch size, page size or "
+                "a request's chunk count changed); build a new plan")
+
+
+def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
+                head_dim: int, dtype: Any, *, pages_per_chunk: int | None = None,
+                target_ctas: int | None = None,
+                num_sms: int | None = None) -> DecodePlan:
+    """Plan a split-KV decode of ``table``.
+
+    ``pages_per_chunk``: given -> used as is (>= 1); else
+    :func:`choose_pages_per_chunk` with ``ctas_per_chunk = num_kv_heads *
+    q_groups`` and the target from :func:`resolve_target_ctas`
+    (argument > env ``CUPAGED_TARGET_CTAS`` > ``4 * num_sms``, where
+    ``num_sms`` is argument > CUDA device > env ``CUPAGED_NUM_SMS`` > 132).
+
+    Raises ValueError (naming the argument) for an empty batch, non-positive
+    sizes, heads not
+    divisible, ``head_dim`` not a positive multiple of 8, unsupported dtype,
+    ``pages_per_chunk < 1``, or a grid beyond CUDA's limits.
+    """
+    hq = _positive_int(num_qo_heads, "num_qo_heads")
+    hkv = _positive_int(num_kv_heads, "num_kv_heads")
+    if hq % hkv:
+        raise ValueError(
+            f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
+    d = _positive_int(head_dim, "head_dim")
+    if d % 8:
+        raise ValueError(
+            f"head_dim must be a positive multiple of 8, got {d}")
+    dt = _kv_dtype(dtype)
+    if pages_per_chunk is not None:
+        pages_per_chunk = _positive_int(pages_per_chunk, "pages_per_chunk")
+    if target_ctas is not None:
+        target_ctas = _positive_int(target_ctas, "target_ctas")
+    if num_sms is not None:
+        num_sms = _positive_int(num_sms, "num_sms")
+
+    batch = int(table.batch_size)
+    if batch < 1:
+        raise ValueError(
+            "table has batch size 0: there is nothing to plan (a plan's grid "
+            "must be launchable)")
+    page_size = int(table.page_size)
+    pages = np.asarray(table.request_pages, dtype=np.int64)
+    if pages.shape != (batch,):
+        raise ValueError(
+            f"table.request_pages must have shape ({batch},), got {pages.shape}")
+
+    group = hq // hkv
+    hpc = heads_per_cta(group)
+    q_groups = group // hpc
+    grid_y = hkv * q_groups
+    if grid_y > MAX_GRID_YZ:
+        raise ValueError(
+            f"num_kv_heads * q_groups = {hkv} * {q_groups} = {grid_y} exceeds "
+            f"the CUDA grid limit {MAX_GRID_YZ} (grid y); too many heads")
+
+    target = resolve_target_ctas(target_ctas, num_sms)
+    if pages_per_chunk is None:
+        c = choose_pages_per_chunk(pages, grid_y, target)
+    else:
+        c = pages_per_chunk
+
+    req_chunks = _chunks_per_request(pages, c)
+    n = int(req_chunks.sum())
+    if n > MAX_GRID_X:
+        raise ValueError(
+            f"{n} chunks exceed the CUDA grid limit {MAX_GRID_X} (grid x); "
+            f"raise pages_per_chunk")
+    o_indptr = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(req_chunks, out=o_indptr[1:])
+    chunk_request = np.repeat(np.arange(batch, dtype=np.int64), req_chunks)
+    chunk_index = np.arange(n, dtype=np.int64) - o_indptr[chunk_request]
+    needs_merge = bool(int(req_chunks.max()) > 1)
+    workspace = (n * hq * d + n * hq) * 4 if needs_merge else 0
+
+    return DecodePlan(
+        batch_size=batch,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        page_size=page_size,
+        dtype=dt,
+        group_size=group,
+        heads_per_cta=hpc,
+        q_groups=q_groups,
+        pages_per_chunk=int(c),
+        target_ctas=int(target),
+        num_chunks=n,
+        chunk_request=chunk_request,
+        chunk_index=chunk_index,
+        o_indptr=o_indptr,
+        request_chunks=req_chunks,
+        num_ctas=n * grid_y,
+        grid=(n, grid_y, 1),
+        needs_merge=needs_merge,
+        workspace_bytes=workspace,
+    )

@@ -1,0 +1,347 @@
+"""Host-side block pool: which KV-cache pages each sequence owns.
+
+:class:`BlockPool` keeps a free list, a refcount per physical page and, per
+sequence, a :class:`SequenceState`: its pages, the absolute position of its
+first visible token (``logical_start``) and its written length. It never
+touches the KV caches; when a fork must copy a page it returns a
+:class:`PageCopy` for the caller to apply (see :func:`apply_page_copies`).
+
+Positions are absolute: token ``t`` of a sequence lives in block ``t // P`` at
+entry ``t % P``. A sequence holds the blocks ``logical_start // P ..
+ceil(length / P) - 1`` while it has visible tokens, and none once it is fully
+trimmed (``logical_start == length``); blocks wholly before ``logical_start``
+are released as soon as a trim retires them.
+
+Free list: lowest page id first (a min-heap), so allocation is deterministic
+and independent of the order pages were released in.
+
+Every operation validates all of its inputs and checks that enough pages are
+free before it changes anything, so a failure (:class:`OutOfPagesError`,
+``KeyError`` for an unknown sequence, ``ValueError`` for a bad count or id)
+leaves refcounts, the free list and every sequence exactly as they were.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import numpy as np
+
+from .errors import OutOfPagesError
+from .page_table import MAX_PAGE_SIZE, PageTable, _build_page_table
+
+__all__ = ["SequenceState", "PageCopy", "BlockPool", "apply_page_copies"]
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """One sequence's view of the pool (immutable; the pool replaces it).
+
+    pages:         physical page ids in token order; ``pages[0]`` holds token
+                   ``logical_start`` (empty when nothing is visible).
+    logical_start: absolute position of the first visible token.
+    length:        written length = absolute position of the next token
+                   (the RoPE offset); ``length - logical_start`` is visible.
+    """
+
+    pages: tuple[int, ...]
+    logical_start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """Instruction to copy KV page ``src`` onto page ``dst`` in every cache."""
+
+    src: int
+    dst: int
+
+
+def _count(name: str, value: Any) -> int:
+    """``value`` as a non-negative int, else ``ValueError``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return n
+
+
+def _pages_for(logical_start: int, length: int, page_size: int) -> int:
+    """Pages a sequence holds: blocks ``logical_start // P .. ceil(length/P)-1``,
+    or none when nothing is visible (the rule build_page_table checks)."""
+    if length == logical_start:
+        return 0
+    return -(-length // page_size) - logical_start // page_size
+
+
+class BlockPool:
+    """Refcounted pages of a paged KV cache of ``num_pages`` pages of
+    ``page_size`` tokens (host bookkeeping only).
+
+    Example (P = 4)::
+
+        pool = BlockPool(8, 4)
+        a = pool.add_sequence()           # 0
+        pool.append(a, 6)                 # (0, 1): tokens 0..3, 4..5
+        b, copies = pool.fork(a)          # b shares page 0; page 1 is partial,
+                                          # so b gets page 2 and copies == (PageCopy(1, 2),)
+        pool.trim_front(a, 4)             # a drops page 0 (still held by b)
+        table, rope = pool.page_table([a, b])   # rope == [6, 6]
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self._num_pages = _count("num_pages", num_pages)
+        p = _count("page_size", page_size)
+        if not 1 <= p <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {p}")
+        self._page_size = p
+        self._refcount = [0] * self._num_pages
+        self._free = list(range(self._num_pages))  # sorted, hence a valid heap
+        self._seqs: dict[int, SequenceState] = {}
+        self._next_id = 0
+
+    # -- read-only facts ---------------------------------------------------
+
+    @property
+    def num_pages(self) -> int:
+        """Total physical pages."""
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def num_free(self) -> int:
+        """Pages on the free list (refcount 0)."""
+        return len(self._free)
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """Live sequence ids, in the order they were added."""
+        return tuple(self._seqs)
+
+    def refcount(self, page: int) -> int:
+        """Number of sequences holding physical page ``page``."""
+        return self._refcount[self._page_id(page)]
+
+    def sequence(self, seq_id: int) -> SequenceState:
+        """Current state of sequence ``seq_id`` (``KeyError`` if unknown)."""
+        return self._state(seq_id)
+
+    # -- operations --------------------------------------------------------
+
+    def add_sequence(self, seq_id: int | None = None) -> int:
+        """Register an empty sequence; return its id (the lowest unused id
+        counting up from the last auto-assigned one, when ``seq_id`` is None).
+        A duplicate id raises ``ValueError``."""
+        sid = self._new_id(seq_id)
+        self._seqs[sid] = SequenceState((), 0, 0)
+        return sid
+
+    def append(self, seq_id: int, n_tokens: int) -> tuple[int, ...]:
+        """Grow ``seq_id`` by ``n_tokens`` written tokens; return the ids of
+        the pages newly allocated for them (in token order). The caller writes
+        the new K/V at positions ``length .. length + n_tokens - 1``."""
+        st = self._state(seq_id)
+        n = _count("n_tokens", n_tokens)
+        if n == 0:
+            return ()
+        new_len = st.length + n
+        need = _pages_for(st.logical_start, new_len, self._page_size) - len(st.pages)
+        fresh = self._allocate(need, f"appending {n} tokens to sequence {seq_id}")
+        self._seqs[seq_id] = SequenceState(st.pages + fresh, st.logical_start, new_len)
+        return fresh
+
+    def fork(
+        self, parent_id: int, child_id: int | None = None
+    ) -> tuple[int, tuple[PageCopy, ...]]:
+        """Create ``child_id`` with the same tokens as ``parent_id``.
+
+        Full pages are shared (their refcounts rise). A partial last page
+        would be written by both sequences' next appends, so it is copied on
+        write now: the child gets a fresh page, and the returned
+        :class:`PageCopy` tells the caller to copy it in the KV caches before
+        either sequence appends. Returns ``(child_id, copies)``.
+        """
+        st = self._state(parent_id)
+        # Check the id before allocating so a duplicate leaves the pool as is.
+        cid = self._check_new_id(child_id)
+        pages = st.pages
+        copies: tuple[PageCopy, ...] = ()
+        if pages and st.length % self._page_size:
+            (dst,) = self._allocate(1, f"forking sequence {parent_id}")
+            copies = (PageCopy(pages[-1], dst),)
+            shared, pages = pages[:-1], pages[:-1] + (dst,)
+        else:
+            shared = pages
+        for p in shared:
+            self._refcount[p] += 1
+        self._commit_id(cid, child_id)
+        self._seqs[cid] = SequenceState(pages, st.logical_start, st.length)
+        return cid, copies
+
+    def trim_front(self, seq_id: int, n_tokens: int) -> tuple[int, ...]:
+        """Retire the first ``n_tokens`` visible tokens of ``seq_id``
+        (``logical_start += n_tokens``; at most the visible length).
+
+        Pages wholly before the new ``logical_start`` leave the sequence (all
+        of them once nothing is visible); each loses one reference and returns
+        to the free list at zero. ``length`` (the RoPE offset) is unchanged.
+        Returns the pages the sequence dropped."""
+        st = self._state(seq_id)
+        n = _count("n_tokens", n_tokens)
+        visible = st.length - st.logical_start
+        if n > visible:
+            raise ValueError(
+                f"cannot trim {n} tokens from sequence {seq_id}: only {visible} visible"
+            )
+        if n == 0:
+            return ()
+        start = st.logical_start + n
+        keep = _pages_for(start, st.length, self._page_size)
+        dropped = st.pages[: len(st.pages) - keep]
+        self._release(dropped)
+        self._seqs[seq_id] = SequenceState(st.pages[len(dropped) :], start, st.length)
+        return dropped
+
+    def apply_window(self, seq_id: int, window: int) -> tuple[int, ...]:
+        """Keep only the last ``window`` visible tokens of ``seq_id`` (a
+        sliding window); returns the pages dropped, as :meth:`trim_front`."""
+        st = self._state(seq_id)
+        w = _count("window", window)
+        return self.trim_front(seq_id, max(0, st.length - st.logical_start - w))
+
+    def free(self, seq_id: int) -> None:
+        """Remove ``seq_id`` and release every page it holds."""
+        st = self._state(seq_id)
+        self._release(st.pages)
+        del self._seqs[seq_id]
+
+    def page_table(
+        self, seq_ids: Iterable[int] | None = None
+    ) -> tuple[PageTable, np.ndarray]:
+        """CSR view of the given sequences (all live ones, in :attr:`seq_ids`
+        order, when None) via :func:`~cupaged.page_table.build_page_table`.
+        Returns ``(table, rope_offsets int64 [B])``; a sequence may appear
+        more than once."""
+        ids = self.seq_ids if seq_ids is None else tuple(seq_ids)
+        states = [self._state(s) for s in ids]
+        # Page ids are ints by construction: skip the per-id check.
+        table, rope = _build_page_table(states, self._page_size, None, check_ints=False)
+        table.check_page_ids(self._num_pages)
+        return table, rope
+
+    # -- internals ---------------------------------------------------------
+
+    def _state(self, seq_id: int) -> SequenceState:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):  # TypeError: unhashable id
+            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+
+    def _page_id(self, page: Any) -> int:
+        p = _count("page", page)
+        if p >= self._num_pages:
+            raise ValueError(f"page id {p} out of range [0, {self._num_pages})")
+        return p
+
+    def _check_new_id(self, seq_id: int | None) -> int:
+        """The id a new sequence would get, without reserving it."""
+        if seq_id is None:
+            sid = self._next_id
+            while sid in self._seqs:
+                sid += 1
+            return sid
+        if isinstance(seq_id, bool):
+            raise ValueError(f"sequence id must be an int, got {seq_id!r}")
+        try:
+            sid = operator.index(seq_id)
+        except TypeError:
+            raise ValueError(
+                f"sequence id must be an int, got {type(seq_id).__name__}"
+            ) from None
+        if sid in self._seqs:
+            raise ValueError(f"sequence id {sid} already exists")
+        return sid
+
+    def _commit_id(self, sid: int, requested: int | None) -> None:
+        if requested is None:
+            self._next_id = sid + 1
+
+    def _new_id(self, seq_id: int | None) -> int:
+        sid = self._check_new_id(seq_id)
+        self._commit_id(sid, seq_id)
+        return sid
+
+    def _allocate(self, n: int, why: str) -> tuple[int, ...]:
+        """Take ``n`` pages (lowest ids first) at refcount 1, or raise
+        :class:`OutOfPagesError` having changed nothing."""
+        if n > len(self._free):
+            raise OutOfPagesError(
+                f"out of KV pages {why}: need {n}, {len(self._free)} of "
+                f"{self._num_pages} free"
+            )
+        pages = tuple(heapq.heappop(self._free) for _ in range(n))
+        for p in pages:
+            self._refcount[p] = 1
+        return pages
+
+    def _release(self, pages: Iterable[int]) -> None:
+        for p in pages:
+            self._refcount[p] -= 1
+            if self._refcount[p] == 0:
+                heapq.heappush(self._free, p)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(num_pages={self._num_pages}, page_size={self._page_size}, "
+            f"free={len(self._free)}, sequences={len(self._seqs)})"
+        )
+
+
+def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
+    """Apply copy-on-write instructions: ``cache[dst] = cache[src]`` for every
+    :class:`PageCopy`, in order, in each cache.
+
+    ``caches`` is one NumPy/CuPy array ``[num_pages, ...]`` (e.g. a KV cache
+    ``[num_pages, page_size, num_kv_heads, head_dim]``) or a sequence of them.
+    All ids are checked against every cache before anything is written. When
+    no copy reads a page an earlier one writes (the usual case) the copies run
+    as one gather/scatter per cache; otherwise one by one, which keeps the
+    sequential meaning.
+    """
+    arrays = [caches] if hasattr(caches, "shape") else list(caches)
+    pairs = []
+    for c in copies:
+        src, dst = (c.src, c.dst) if isinstance(c, PageCopy) else c
+        pairs.append((_count("src", src), _count("dst", dst)))
+    if not pairs:
+        return
+    top = max(max(s, d) for s, d in pairs)
+    for a in arrays:
+        if a.ndim < 1 or a.shape[0] <= top:
+            raise ValueError(
+                f"page id {top} out of range for a cache of shape {tuple(a.shape)}"
+            )
+    srcs = [s for s, _ in pairs]
+    dsts = [d for _, d in pairs]
+    independent = len(set(dsts)) == len(dsts) and not set(dsts) & set(srcs)
+    for a in arrays:
+        if len(pairs) == 1 or not independent:
+            for s, d in pairs:
+                a[d] = a[s]
+            continue
+        if type(a).__module__.split(".")[0] == "cupy":
+            import cupy as xp
+        else:
+            xp = np
+        a[xp.asarray(dsts)] = a[xp.asarray(srcs)]

@@ -1,0 +1,290 @@
+"""NumPy float64 reference of paged-attention decode (never calls a kernel).
+
+Every function casts its inputs to float64 and is numerically stable (scores
+have their maximum subtracted before exponentiation).  Inputs may be NumPy
+arrays of float16, float32, float64 or ``ml_dtypes.bfloat16``; objects with a
+``.get()`` method (cupy arrays) are copied to the host first.  KV caches are
+``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD") and may be
+non-contiguous views (e.g. a slice of a larger cache).
+
+**LSE units.**  Every log-sum-exp here is in **log2 units**, like the kernels:
+``lse = log2(sum_t 2**(s_t * log2(e)))`` for the scaled scores ``s_t``, so the
+natural-log LSE is ``lse * ln 2`` (and ``lse = lse_natural * LOG2E``).
+
+Conventions: query head ``h`` reads KV head ``h // g`` with
+``g = num_qo_heads // num_kv_heads``; the softmax scale defaults to
+``1 / sqrt(head_dim)``; a request with no visible token yields an output of
+zeros and an LSE of ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .errors import PageTableError, PlanMismatchError
+
+__all__ = [
+    "LOG2E",
+    "gather_kv",
+    "attend",
+    "decode",
+    "merge_states",
+    "decode_split",
+]
+
+#: log2(e) = 1 / ln 2: multiply a natural-log quantity by it to get log2 units.
+LOG2E = 1.0 / math.log(2.0)
+
+_FLOAT_DTYPES = (
+    np.dtype(np.float16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+    np.dtype(ml_dtypes.bfloat16),
+)
+
+
+def _host(x: Any, name: str) -> np.ndarray:
+    """``x`` as a NumPy array (cupy arrays are fetched), dtype checked."""
+    if not isinstance(x, np.ndarray) and hasattr(x, "get"):
+        x = x.get()
+    arr = np.asarray(x)
+    if arr.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"{name} must be float16, float32, float64 or bfloat16, "
+            f"got dtype {arr.dtype}")
+    return arr
+
+
+def _f64(x: Any, name: str) -> np.ndarray:
+    return _host(x, name).astype(np.float64)
+
+
+def _check_cache(cache: np.ndarray, name: str, table: Any) -> None:
+    if cache.ndim != 4:
+        raise ValueError(
+            f"{name} must be [num_pages, page_size, num_kv_heads, head_dim], "
+            f"got shape {cache.shape}")
+    if cache.shape[1] != int(table.page_size):
+        raise ValueError(
+            f"{name} page size {cache.shape[1]} != table.page_size "
+            f"{int(table.page_size)}")
+
+
+def _gather(cache: np.ndarray, table: Any, i: int) -> np.ndarray:
+    """Visible tokens of request ``i`` in ``cache``'s own dtype."""
+    indptr = table.indptr
+    lo, hi = int(indptr[i]), int(indptr[i + 1])
+    nkv, d = cache.shape[2], cache.shape[3]
+    seq = int(table.seq_lens[i])
+    if hi == lo or seq == 0:
+        return np.zeros((0, nkv, d), dtype=cache.dtype)
+    pages = np.asarray(table.indices[lo:hi], dtype=np.int64)
+    if pages.min() < 0 or pages.max() >= cache.shape[0]:
+        raise PageTableError(
+            f"request {i}: page id out of range [0, {cache.shape[0]}) "
+            f"(ids {pages.min()}..{pages.max()})")
+    tokens = cache[pages].reshape(-1, nkv, d)  # fancy index copies
+    off = int(table.first_page_offset[i])
+    return tokens[off:off + seq]
+
+
+def gather_kv(cache: Any, table: Any, i: int) -> np.ndarray:
+    """The visible tokens of request ``i``, in order, as float64
+    ``[seq_len_i, num_kv_heads, head_dim]``.
+
+    Pages ``indices[indptr[i]:indptr[i+1]]`` are concatenated and the range
+    ``[first_page_offset[i], first_page_offset[i] + seq_len_i)`` kept.
+    """
+    c = _host(cache, "cache")
+    _check_cache(c, "cache", table)
+    i = int(i)
+    if not 0 <= i < int(table.batch_size):
+        raise IndexError(f"request {i} out of range for batch size "
+                         f"{int(table.batch_size)}")
+    return _gather(c, table, i).astype(np.float64)
+
+
+def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Dense attention of one request's query over its tokens.
+
+    ``q_row [Hq, D]``, ``k, v [T, Hkv, D]`` -> ``(out [Hq, D], lse [Hq])``
+    float64; query head ``h`` uses KV head ``h // (Hq // Hkv)``; ``lse`` in
+    log2 units.  ``T == 0`` gives zeros and ``-inf``.  ``sm_scale`` defaults to
+    ``1/sqrt(D)``.
+    """
+    q = _f64(q_row, "q_row")
+    kk = _f64(k, "k")
+    vv = _f64(v, "v")
+    if q.ndim != 2 or kk.ndim != 3 or vv.ndim != 3:
+        raise ValueError(
+            f"attend expects q_row [Hq, D], k/v [T, Hkv, D]; got "
+            f"{q.shape}, {kk.shape}, {vv.shape}")
+    if kk.shape != vv.shape:
+        raise ValueError(f"k shape {kk.shape} != v shape {vv.shape}")
+    hq, d = q.shape
+    t, hkv, dk = kk.shape
+    if dk != d:
+        raise ValueError(f"head_dim of k ({dk}) != head_dim of q ({d})")
+    if hq % hkv:
+        raise ValueError(
+            f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if t == 0:
+        return np.zeros((hq, d)), np.full(hq, -np.inf)
+    g = hq // hkv
+    kh = np.repeat(kk, g, axis=1)  # [T, Hq, D]: column h is kv head h // g
+    vh = np.repeat(vv, g, axis=1)
+    # base-2 scores: log2(e) folded into the scale, like the kernels
+    s = np.einsum("hd,thd->ht", q, kh) * (scale * LOG2E)  # [Hq, T]
+    m = s.max(axis=1, keepdims=True)
+    p = np.exp2(s - m)
+    denom = p.sum(axis=1)
+    out = np.einsum("ht,thd->hd", p, vh) / denom[:, None]
+    lse = m[:, 0] + np.log2(denom)
+    return out, lse
+
+
+def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                  table: Any) -> None:
+    _check_cache(k, "k_cache", table)
+    _check_cache(v, "v_cache", table)
+    if k.shape != v.shape:
+        raise ValueError(f"k_cache shape {k.shape} != v_cache shape {v.shape}")
+    if q.ndim != 3:
+        raise ValueError(
+            f"q must be [batch, num_qo_heads, head_dim], got shape {q.shape}")
+    b, hq, d = q.shape
+    if b != int(table.batch_size):
+        raise ValueError(
+            f"q batch {b} != table.batch_size {int(table.batch_size)}")
+    if d != k.shape[3]:
+        raise ValueError(f"q head_dim {d} != cache head_dim {k.shape[3]}")
+    if hq % k.shape[2]:
+        raise ValueError(
+            f"num_qo_heads ({hq}) must be divisible by num_kv_heads "
+            f"({k.shape[2]})")
+    table.check_page_ids(k.shape[0])
+
+
+def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
+           sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Paged decode: ``q [B, Hq, D]`` against the visible tokens of each
+    request -> ``(out [B, Hq, D] float64, lse [B, Hq] float64, log2 units)``.
+
+    A zero-length request gives zeros and ``-inf``.
+    """
+    qh = _host(q, "q")
+    k = _host(k_cache, "k_cache")
+    v = _host(v_cache, "v_cache")
+    _check_inputs(qh, k, v, table)
+    b, hq, d = qh.shape
+    out = np.zeros((b, hq, d))
+    lse = np.full((b, hq), -np.inf)
+    for i in range(b):
+        out[i], lse[i] = attend(qh[i], _gather(k, table, i),
+                                _gather(v, table, i), sm_scale)
+    return out, lse
+
+
+def merge_states(v: Any, lse: Any, o_indptr: Any
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Merge partial attention states.
+
+    ``v [N, H, D]`` (each partial normalized by its own denominator),
+    ``lse [N, H]`` (log2), ``o_indptr [M+1]`` (rows ``o_indptr[m]:o_indptr[m+1]``
+    form output ``m``) -> ``(v_out [M, H, D], lse_out [M, H])`` float64::
+
+        L = max_n lse_n
+        w_n = 2**(lse_n - L)
+        v_out = sum_n w_n v_n / sum_n w_n
+        lse_out = L + log2(sum_n w_n)
+
+    A ``-inf`` partial contributes nothing (even if its ``v`` is NaN); an
+    output with no finite partial is zeros and ``-inf`` — never NaN.  The
+    result is associative under regrouping and stays in log2, so merges chain.
+    """
+    vv = _f64(v, "v")
+    ll = _f64(lse, "lse")
+    ptr = np.asarray(o_indptr)
+    if vv.ndim != 3 or ll.shape != vv.shape[:2]:
+        raise ValueError(
+            f"merge_states expects v [N, H, D] and lse [N, H], got "
+            f"{vv.shape} and {ll.shape}")
+    if np.isnan(ll).any() or np.isposinf(ll).any():
+        raise ValueError("lse must be finite or -inf (got NaN or +inf)")
+    if ptr.ndim != 1 or ptr.size < 1 or not np.issubdtype(ptr.dtype, np.integer):
+        raise ValueError("o_indptr must be a 1-D integer array [M+1]")
+    ptr = ptr.astype(np.int64)
+    if ptr[0] != 0 or ptr[-1] != vv.shape[0] or (np.diff(ptr) < 0).any():
+        raise ValueError(
+            f"o_indptr must start at 0, be non-decreasing and end at N = "
+            f"{vv.shape[0]}")
+    m = ptr.size - 1
+    h, d = vv.shape[1], vv.shape[2]
+    v_out = np.zeros((m, h, d))
+    lse_out = np.full((m, h), -np.inf)
+    for r in range(m):
+        lo, hi = int(ptr[r]), int(ptr[r + 1])
+        if hi == lo:
+            continue
+        l_r = ll[lo:hi]                       # [n, H]
+        finite = np.isfinite(l_r)
+        has = finite.any(axis=0)              # [H]
+        mx = np.where(has, np.max(np.where(finite, l_r, -np.inf), axis=0), 0.0)
+        w = np.where(finite, np.exp2(np.where(finite, l_r, 0.0) - mx), 0.0)
+        wv = w[:, :, None]
+        with np.errstate(invalid="ignore", over="ignore"):
+            # a partial with zero weight contributes nothing, whatever its v
+            num = np.where(wv > 0, wv * vv[lo:hi], 0.0).sum(axis=0)
+        den = w.sum(axis=0)                   # >= 1 where has (max term is 1)
+        safe = np.where(has, den, 1.0)
+        v_out[r] = np.where(has[:, None], num / safe[:, None], 0.0)
+        lse_out[r] = np.where(has, mx + np.log2(safe), -np.inf)
+    return v_out, lse_out
+
+
+def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
+                 sm_scale: float | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Emulate the split-KV kernels: per chunk of ``plan`` a normalized partial
+    output and its log2 LSE, then :func:`merge_states` over ``plan.o_indptr``.
+
+    Returns ``(out [B, Hq, D], lse [B, Hq], partial_v [N, Hq, D],
+    partial_lse [N, Hq])`` float64 with ``N = plan.num_chunks``.  A chunk with
+    no visible token has zeros and ``-inf``.  Raises
+    :class:`~cupaged.errors.PlanMismatchError` for a plan that does not fit.
+    """
+    qh = _host(q, "q")
+    k = _host(k_cache, "k_cache")
+    v = _host(v_cache, "v_cache")
+    _check_inputs(qh, k, v, table)
+    b, hq, d = qh.shape
+    if not plan.matches(table):
+        raise PlanMismatchError(
+            "plan does not match the page table (batch size, page size or a "
+            "request's chunk count changed)")
+    if (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim) != (
+            hq, k.shape[2], d):
+        raise PlanMismatchError(
+            f"plan is for (num_qo_heads, num_kv_heads, head_dim) = "
+            f"({plan.num_qo_heads}, {plan.num_kv_heads}, {plan.head_dim}), "
+            f"tensors have ({hq}, {k.shape[2]}, {d})")
+    start, end = plan.chunk_token_ranges(table)
+    n = int(plan.num_chunks)
+    pv = np.zeros((n, hq, d))
+    pl = np.full((n, hq), -np.inf)
+    cache_req = -1
+    kt = vt = None
+    for c in range(n):
+        i = int(plan.chunk_request[c])
+        if i != cache_req:
+            kt, vt, cache_req = _gather(k, table, i), _gather(v, table, i), i
+        s, e = int(start[c]), int(end[c])
+        pv[c], pl[c] = attend(qh[i], kt[s:e], vt[s:e], sm_scale)
+    out, lse = merge_states(pv, pl, plan.o_indptr)
+    return out, lse, pv, pl

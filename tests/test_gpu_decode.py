@@ -1,0 +1,323 @@
+"""GPU tests of the decode paths against the NumPy float64 reference.
+
+Every test runs on adversarial batches (tests/helpers.py): shuffled physical
+pages from a pool with 2x slack, NaN in every slot no request can see, ragged
+lengths, half the requests starting mid-page. Outputs are poisoned with NaN
+before each launch, and the device is synchronized after it so an
+asynchronous kernel fault fails the test that caused it.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import reference
+from helpers import RAGGED_LENS, make_caches, make_query, make_table, rel_errors, tolerance
+
+pytestmark = pytest.mark.gpu
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32)]
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def run(method, q, k, v, table, plan=None, **kw):
+    """decode with a NaN-poisoned out; returns host (out, lse)."""
+    cp = _cp()
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    res, lse = cupaged.decode(q, k, v, table, plan, method=method, out=out, return_lse=True, **kw)
+    cp.cuda.runtime.deviceSynchronize()  # surfaces asynchronous kernel faults here
+    assert res is out
+    out_h = out.get().astype(np.float64)
+    assert np.isfinite(out_h).all(), "output not fully written (NaN left from the poison)"
+    return out_h, lse.get().astype(np.float64)
+
+
+def batch(seed, seq_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128, dtype=np.float16,
+          mid_page=True):
+    """(q, k, v) on the device, the table, and the host copies for the reference."""
+    cp = _cp()
+    rng = np.random.default_rng(seed)
+    seq_lens = np.asarray(seq_lens)
+    off = None
+    if mid_page:  # half the requests start mid-page
+        off = np.where(np.arange(len(seq_lens)) % 2 == 1, rng.integers(1, max(2, page_size), len(seq_lens)), 0)
+        off = np.where(seq_lens > 0, off % page_size, 0)
+    table, num_pages = make_table(rng, seq_lens, page_size, off)
+    k, v = make_caches(rng, table, num_pages, num_kv_heads, head_dim, dtype)
+    q = make_query(rng, len(seq_lens), num_qo_heads, head_dim, dtype)
+    return (cp.asarray(q), cp.asarray(k), cp.asarray(v)), table, (q, k, v)
+
+
+def check(out, lse, ref_out, ref_lse, dtype):
+    max_rel, rel_rms = rel_errors(out, ref_out)
+    tol = tolerance(dtype)
+    assert max_rel <= tol and rel_rms <= tol, (max_rel, rel_rms)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse)), "LSE -inf pattern differs"
+    assert np.allclose(lse[finite], ref_lse[finite], rtol=1e-3 if tol > 1e-5 else 1e-5, atol=1e-3 if tol > 1e-5 else 1e-5)
+    return max_rel, rel_rms
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("merged", [False, True], ids=["single_chunk", "merged"])
+def test_v2_matches_reference(dtype, merged):
+    dev, table, host = batch(1, RAGGED_LENS, dtype=dtype)
+    # a huge target forces splitting; a tiny one keeps every request in one chunk
+    plan = cupaged.plan_decode(table, 32, 8, 128, dtype, target_ctas=10**6 if merged else 1)
+    assert plan.needs_merge == merged
+    out, lse = run("v2", *dev, table, plan)
+    ref_out, ref_lse = reference.decode(*host, table)
+    check(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_single_chunk_and_merged_agree():
+    dev, table, host = batch(2, RAGGED_LENS)
+    a, _ = run("v2", *dev, table, cupaged.plan_decode(table, 32, 8, 128, np.float16, target_ctas=1))
+    b, _ = run("v2", *dev, table, cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=1))
+    assert rel_errors(a, b)[0] < 5e-3
+
+
+def test_chunk_size_invariance():
+    dev, table, host = batch(3, [3000, 1021, 17, 2048], dtype=np.float32)
+    ref_out, ref_lse = reference.decode(*host, table)
+    outs = []
+    for c in (1, 2, 3, 4, 7, 16, 33, 1000):  # 8 chunk sizes, ragged and non-powers of two
+        plan = cupaged.plan_decode(table, 32, 8, 128, np.float32, pages_per_chunk=c)
+        out, lse = run("v2", *dev, table, plan)
+        check(out, lse, ref_out, ref_lse, np.float32)
+        outs.append(out)
+    for o in outs[1:]:
+        assert rel_errors(o, outs[0])[0] < 1e-5
+
+
+@pytest.mark.parametrize("num_qo_heads,num_kv_heads", [(8, 8), (16, 8), (32, 8), (64, 8), (128, 8), (20, 4), (12, 2)])
+def test_gqa_head_group_mapping(num_qo_heads, num_kv_heads):
+    # group sizes 1, 2, 4, 8, 16 (two q groups per kv head), 5 and 6
+    dev, table, host = batch(4, [100, 37, 513], num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
+    plan = cupaged.plan_decode(table, num_qo_heads, num_kv_heads, 128, np.float16)
+    out, lse = run("v2", *dev, table, plan)
+    check(out, lse, *reference.decode(*host, table), np.float16)
+
+
+def test_front_trimmed_windows_every_request_mid_page():
+    cp = _cp()
+    rng = np.random.default_rng(5)
+    lens = np.array([1, 2, 15, 16, 17, 100, 999])
+    off = rng.integers(1, 16, len(lens))  # every request starts mid-page; one-page ones too
+    table, num_pages = make_table(rng, lens, 16, off)
+    assert (table.first_page_offset > 0).all()
+    k, v = make_caches(rng, table, num_pages, 8, 128, np.float16)
+    q = make_query(rng, len(lens), 32, 128, np.float16)
+    for c in (1, 4, None):
+        plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=c)
+        out, lse = run("v2", cp.asarray(q), cp.asarray(k), cp.asarray(v), table, plan)
+        check(out, lse, *reference.decode(q, k, v, table), np.float16)
+
+
+@pytest.mark.parametrize("pages_per_chunk", [1, None], ids=["merged", "auto"])
+def test_empty_requests_do_not_poison_neighbours(pages_per_chunk):
+    lens = [0, 300, 0, 17, 0]
+    dev, table, host = batch(6, lens, mid_page=False)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=pages_per_chunk)
+    out, lse = run("v2", *dev, table, plan)
+    ref_out, ref_lse = reference.decode(*host, table)
+    check(out, lse, ref_out, ref_lse, np.float16)
+    for i in (0, 2, 4):
+        assert (out[i] == 0).all() and np.isneginf(lse[i]).all()
+
+
+@pytest.mark.parametrize("method", ["v1", "gather"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_baselines_match_reference(method, dtype):
+    dev, table, host = batch(7, [*RAGGED_LENS, 0], dtype=dtype)
+    out, lse = run(method, *dev, table)
+    check(out, lse, *reference.decode(*host, table), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=str)
+def test_head_dims(head_dim, dtype):
+    dev, table, host = batch(8, [50, 700, 33], head_dim=head_dim, dtype=dtype)
+    for c in (1, None):
+        plan = cupaged.plan_decode(table, 32, 8, head_dim, dtype, pages_per_chunk=c)
+        out, lse = run("v2", *dev, table, plan)
+        check(out, lse, *reference.decode(*host, table), dtype)
+
+
+@pytest.mark.parametrize("page_size", [1, 7, 64, 256])
+def test_page_sizes(page_size):
+    dev, table, host = batch(9, [1, page_size + 1, 3 * page_size - 1, 1000], page_size=page_size)
+    for c in (1, None):
+        plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=c)
+        out, lse = run("v2", *dev, table, plan)
+        check(out, lse, *reference.decode(*host, table), np.float16)
+
+
+def test_long_request_spans_many_page_windows():
+    # 8192 pages in one chunk: the kernel stages page ids 256 at a time
+    dev, table, host = batch(10, [8192 * 4 - 3], page_size=4, num_qo_heads=8, num_kv_heads=8)
+    plan = cupaged.plan_decode(table, 8, 8, 128, np.float16, target_ctas=1)
+    assert plan.pages_per_chunk >= 8192
+    out, lse = run("v2", *dev, table, plan)
+    check(out, lse, *reference.decode(*host, table), np.float16)
+
+
+def test_strided_cache_slice_of_larger_buffer():
+    cp = _cp()
+    dev, table, host = batch(11, [100, 257, 31])
+    q, k, v = dev
+    # caches that are every other page of a buffer twice as large, and q a head slice
+    big_k = cp.full((k.shape[0] * 2, *k.shape[1:]), np.nan, dtype=k.dtype)
+    big_v = cp.full_like(big_k, np.nan)
+    big_k[::2], big_v[::2] = k, v
+    big_q = cp.zeros((q.shape[0], q.shape[1] * 2, q.shape[2]), dtype=q.dtype)
+    big_q[:, ::2] = q
+    ks, vs, qs = big_k[::2], big_v[::2], big_q[:, ::2]
+    assert not ks.flags.c_contiguous and not qs.flags.c_contiguous
+    assert cupaged.select_method(qs, ks, vs, table).method == "v2"
+    out, lse = run("v2", qs, ks, vs, table)
+    check(out, lse, *reference.decode(*host, table), np.float16)
+
+
+def test_declined_shape_falls_back_with_reason():
+    dev, table, host = batch(12, [40, 90], head_dim=96)
+    sel = cupaged.select_method(*dev, table, method="v2")
+    assert sel.method == "gather" and "head_dim 96" in sel.reason
+    out, lse = run("v2", *dev, table)
+    check(out, lse, *reference.decode(*host, table), np.float16)
+
+
+def test_sm_scale_and_determinism():
+    dev, table, host = batch(13, [500, 77])
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=2)
+    a, _ = run("v2", *dev, table, plan, sm_scale=0.3)
+    b, _ = run("v2", *dev, table, plan, sm_scale=0.3)
+    assert np.array_equal(a, b)  # bitwise repeatable
+    check(a, _, *reference.decode(*host, table, sm_scale=0.3), np.float16)
+
+
+def test_plan_reused_across_decode_steps_and_stale_plan_rejected():
+    cp = _cp()
+    rng = np.random.default_rng(14)
+    table, num_pages = make_table(rng, [160, 40], 16)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=4)
+    k, v = make_caches(rng, table, num_pages + 64, 8, 128, np.float16)
+    k = np.nan_to_num(k, nan=0.5).astype(np.float16)
+    v = np.nan_to_num(v, nan=-0.5).astype(np.float16)
+    q = make_query(rng, 2, 32, 128, np.float16)
+    dq, dk, dv = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+    # next step: request 1 gains a token inside its last page; same chunk counts
+    step = cupaged.PageTable(table.indices, table.indptr, table.last_page_len + np.array([0, 1], np.int32),
+                             page_size=16)
+    assert plan.matches(step)
+    out, lse = run("v2", dq, dk, dv, step, plan)
+    check(out, lse, *reference.decode(q, k, v, step), np.float16)
+    # request 0 grows by a page past a chunk boundary: the plan is stale
+    grown = cupaged.PageTable.from_seq_lens([161, 40], 16, page_ids=np.arange(num_pages + 64, dtype=np.int32))
+    assert not plan.matches(grown)
+    with pytest.raises(cupaged.PlanMismatchError):
+        cupaged.decode(dq, dk, dv, grown, plan)
+
+
+def test_bad_inputs_raise_clearly():
+    cp = _cp()
+    dev, table, host = batch(15, [40, 90])
+    q, k, v = dev
+    with pytest.raises(cupaged.PageTableError, match="out of range"):
+        cupaged.decode(q, k[:2], v[:2], table)
+    with pytest.raises(ValueError, match="dtype"):
+        cupaged.decode(q.astype(cp.float32), k, v, table)
+    with pytest.raises(ValueError, match="multiple"):
+        cupaged.decode(q[:, :30], k[:, :, :7], v[:, :, :7], table)
+    with pytest.raises(ValueError, match="out"):
+        cupaged.decode(q, k, v, table, out=cp.empty((2, 32, 64), dtype=q.dtype))
+    with pytest.raises(cupaged.PlanMismatchError):
+        cupaged.decode(q, k, v, table, cupaged.plan_decode(table, 16, 8, 128, np.float16))
+    with pytest.raises(TypeError):
+        cupaged.decode(host[0], k, v, table)
+
+
+def test_pool_built_batch_with_forks_and_windows():
+    cp = _cp()
+    rng = np.random.default_rng(16)
+    pool = cupaged.BlockPool(num_pages=512, page_size=16)
+    a = pool.add_sequence()
+    pool.append(a, 300)
+    b, copies = pool.fork(a)  # shares a's pages; partial last page copied
+    pool.append(b, 50)
+    c = pool.add_sequence()
+    pool.append(c, 1000)
+    pool.apply_window(c, 333)  # drops retired pages, starts mid-page
+    table, rope = pool.page_table([a, b, c])
+    assert rope.tolist() == [300, 350, 1000] and table.seq_lens.tolist() == [300, 350, 333]
+    k = rng.standard_normal((512, 16, 8, 128), dtype=np.float32).astype(np.float16)
+    v = rng.standard_normal((512, 16, 8, 128), dtype=np.float32).astype(np.float16)
+    cupaged.apply_page_copies([k, v], copies)
+    q = make_query(rng, 3, 32, 128, np.float16)
+    out, lse = run("v2", cp.asarray(q), cp.asarray(k), cp.asarray(v), table)
+    check(out, lse, *reference.decode(q, k, v, table), np.float16)
+
+
+# ------------------------------------------------------------------ merge kernel
+def _partials(rng, n, heads=8, head_dim=128, empty=()):
+    v = rng.standard_normal((n, heads, head_dim)).astype(np.float32)
+    lse = (rng.standard_normal((n, heads)) * 4).astype(np.float32)
+    for i in empty:
+        lse[i] = -np.inf
+        v[i] = np.nan  # an empty partial's values must not be read
+    return v, lse
+
+
+def test_merge_closed_form_and_empty_rows():
+    cp = _cp()
+    rng = np.random.default_rng(20)
+    v, lse = _partials(rng, 9, empty=(2, 6, 7))
+    o_indptr = np.array([0, 3, 3, 6, 8, 9], np.int32)  # row 1 has no partial; row 3 only empty ones
+    v_out, lse_out = cupaged.merge_states(cp.asarray(v), cp.asarray(lse), o_indptr)
+    ref_v, ref_lse = reference.merge_states(np.nan_to_num(v), lse, o_indptr)
+    v_out, lse_out = v_out.get(), lse_out.get()
+    assert np.isfinite(v_out).all()
+    assert (v_out[1] == 0).all() and np.isneginf(lse_out[1]).all()
+    assert (v_out[3] == 0).all() and np.isneginf(lse_out[3]).all()
+    np.testing.assert_allclose(v_out, ref_v, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse_out, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out_dtype", [np.float16, BF16], ids=str)
+def test_merge_output_dtypes(out_dtype):
+    cp = _cp()
+    rng = np.random.default_rng(21)
+    v, lse = _partials(rng, 6, head_dim=64)
+    o_indptr = np.array([0, 2, 6], np.int32)
+    v_out, _ = cupaged.merge_states(cp.asarray(v), cp.asarray(lse), o_indptr, out_dtype=out_dtype)
+    assert v_out.dtype == np.dtype(out_dtype)
+    ref_v, _ = reference.merge_states(v, lse, o_indptr)
+    assert rel_errors(v_out.get(), ref_v)[0] < 1e-2
+
+
+def test_merge_is_associative_under_regrouping():
+    cp = _cp()
+    rng = np.random.default_rng(22)
+    v, lse = _partials(rng, 10, empty=(4,))
+    once_v, once_lse = cupaged.merge_states(cp.asarray(v), cp.asarray(lse), np.array([0, 10], np.int32))
+    # merge in groups [0,3) [3,7) [7,10), then merge the three results
+    mid_v, mid_lse = cupaged.merge_states(cp.asarray(v), cp.asarray(lse), np.array([0, 3, 7, 10], np.int32))
+    two_v, two_lse = cupaged.merge_states(mid_v, mid_lse, np.array([0, 3], np.int32))
+    np.testing.assert_allclose(two_v.get(), once_v.get(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(two_lse.get(), once_lse.get(), rtol=1e-6, atol=1e-5)
+
+
+def test_merge_rejects_bad_indptr():
+    cp = _cp()
+    v, lse = _partials(np.random.default_rng(23), 4)
+    with pytest.raises(ValueError, match="o_indptr"):
+        cupaged.merge_states(cp.asarray(v), cp.asarray(lse), np.array([0, 3, 2], np.int32))
+    with pytest.raises(ValueError, match="o_indptr"):
+        cupaged.merge_states(cp.asarray(v), cp.asarray(lse), np.array([0, 5], np.int32))

@@ -1,0 +1,425 @@
+"""CPU tests of the host block pool (cupaged.pool)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from cupaged.errors import OutOfPagesError
+from cupaged.page_table import PageTable
+from cupaged.pool import BlockPool, PageCopy, SequenceState, apply_page_copies
+
+
+# -- helpers -------------------------------------------------------------------
+
+
+def snapshot(pool: BlockPool):
+    """Everything a failed operation must leave untouched."""
+    return (
+        [pool.refcount(p) for p in range(pool.num_pages)],
+        copy.copy(pool._free),  # exact heap layout, not just the set
+        {s: pool.sequence(s) for s in pool.seq_ids},
+        pool.seq_ids,
+        pool.num_free,
+        pool._next_id,
+    )
+
+
+def gather(table: PageTable, cache: np.ndarray) -> list[list[int]]:
+    """Visible token values per request, walking the CSR view like a kernel."""
+    P = table.page_size
+    out = []
+    for i in range(table.batch_size):
+        lo, hi = int(table.indptr[i]), int(table.indptr[i + 1])
+        vals = []
+        for j in range(lo, hi):
+            first = int(table.first_page_offset[i]) if j == lo else 0
+            end = int(table.last_page_len[i]) if j == hi - 1 else P
+            vals += cache[table.indices[j], first:end].tolist()
+        out.append(vals)
+    return out
+
+
+class Model:
+    """A pool plus a fake one-value-per-token KV cache and the tokens each
+    sequence should see, so tests can check content, not just bookkeeping."""
+
+    def __init__(self, num_pages, page_size):
+        self.pool = BlockPool(num_pages, page_size)
+        self.cache = np.full((num_pages, page_size), -1, dtype=np.int64)
+        self.tokens: dict[int, list[int]] = {}  # absolute position -> value
+        self.counter = 0
+
+    def add(self):
+        sid = self.pool.add_sequence()
+        self.tokens[sid] = []
+        return sid
+
+    def append(self, sid, n):
+        pool, P = self.pool, self.pool.page_size
+        start_len = pool.sequence(sid).length
+        pool.append(sid, n)
+        st = pool.sequence(sid)
+        for t in range(start_len, start_len + n):
+            self.counter += 1
+            self.cache[st.pages[t // P - st.logical_start // P], t % P] = self.counter
+            self.tokens[sid].append(self.counter)
+
+    def fork(self, sid):
+        child, copies = self.pool.fork(sid)
+        apply_page_copies(self.cache, copies)
+        self.tokens[child] = list(self.tokens[sid])
+        return child, copies
+
+    def visible(self, sid):
+        st = self.pool.sequence(sid)
+        return self.tokens[sid][st.logical_start : st.length]
+
+    def check(self):
+        check_invariants(self.pool)
+        ids = self.pool.seq_ids
+        table, rope = self.pool.page_table(ids)
+        assert gather(table, self.cache) == [self.visible(s) for s in ids]
+        assert rope.tolist() == [len(self.tokens[s]) for s in ids]
+
+
+def check_invariants(pool: BlockPool):
+    holders = [0] * pool.num_pages
+    for s in pool.seq_ids:
+        st = pool.sequence(s)
+        assert len(set(st.pages)) == len(st.pages)
+        for p in st.pages:
+            holders[p] += 1
+    free = set(pool._free)
+    assert len(free) == len(pool._free) == pool.num_free
+    for p in range(pool.num_pages):
+        assert pool.refcount(p) == holders[p]
+        assert (p in free) == (holders[p] == 0)  # free xor held
+    table, rope = pool.page_table(pool.seq_ids)  # validates on build
+    table.validate()
+    states = [pool.sequence(s) for s in pool.seq_ids]
+    assert table.seq_lens.tolist() == [s.length - s.logical_start for s in states]
+    assert rope.tolist() == [s.length for s in states]
+
+
+# -- append and allocation -------------------------------------------------------
+
+
+def test_append_allocates_as_tokens_cross_page_boundaries():
+    pool = BlockPool(10, 4)
+    s = pool.add_sequence()
+    assert pool.sequence(s) == SequenceState((), 0, 0)
+    assert pool.append(s, 3) == (0,)
+    assert pool.append(s, 1) == ()            # fills page 0 exactly
+    assert pool.append(s, 1) == (1,)          # token 4 starts page 1
+    assert pool.append(s, 8) == (2, 3)        # tokens 5..12: pages 1 (rest), 2, 3
+    assert pool.append(s, 0) == ()
+    assert pool.sequence(s) == SequenceState((0, 1, 2, 3), 0, 13)
+    assert pool.num_free == 6 and [pool.refcount(p) for p in range(5)] == [1, 1, 1, 1, 0]
+    table, rope = pool.page_table([s])
+    assert table.last_page_len.tolist() == [1] and rope.tolist() == [13]
+
+
+@pytest.mark.parametrize("n, pages", [(4, 1), (8, 2), (12, 3)])
+def test_exactly_full_pages(n, pages):
+    pool = BlockPool(8, 4)
+    s = pool.add_sequence()
+    assert len(pool.append(s, n)) == pages
+    table, _ = pool.page_table([s])
+    assert table.last_page_len.tolist() == [4]        # not n % 4 == 0
+    assert table.seq_lens.tolist() == [n]
+    assert len(pool.append(s, 1)) == 1                # next token needs a new page
+
+
+def test_sequence_ids():
+    pool = BlockPool(4, 4)
+    assert pool.add_sequence() == 0
+    assert pool.add_sequence(2) == 2
+    assert pool.add_sequence() == 1
+    assert pool.add_sequence() == 3                   # skips the taken 2
+    assert pool.seq_ids == (0, 2, 1, 3)
+    with pytest.raises(ValueError, match="sequence id 2 already exists"):
+        pool.add_sequence(2)
+    with pytest.raises(ValueError, match="must be an int"):
+        pool.add_sequence("a")
+
+
+# -- fork ------------------------------------------------------------------------
+
+
+def test_fork_full_last_page_shares_everything():
+    pool = BlockPool(6, 4)
+    a = pool.add_sequence()
+    pool.append(a, 8)
+    b, copies = pool.fork(a)
+    assert copies == ()
+    assert pool.sequence(b) == pool.sequence(a) == SequenceState((0, 1), 0, 8)
+    assert [pool.refcount(p) for p in (0, 1)] == [2, 2]
+    assert pool.num_free == 4
+    # both append: each gets its own new page, the shared ones stay shared
+    assert pool.append(a, 1) == (2,) and pool.append(b, 1) == (3,)
+    check_invariants(pool)
+
+
+def test_fork_partial_last_page_is_copied_on_write():
+    m = Model(6, 4)
+    a = m.add()
+    m.append(a, 6)                                    # pages 0 (full), 1 (2 of 4)
+    b, copies = m.fork(a)
+    assert copies == (PageCopy(src=1, dst=2),)
+    assert pool_pages(m.pool, a, b) == ((0, 1), (0, 2))
+    assert [m.pool.refcount(p) for p in (0, 1, 2)] == [2, 1, 1]
+    assert (m.cache[2, :2] == m.cache[1, :2]).all()
+    # diverge: each writes into its own partial page
+    m.append(a, 1)
+    m.append(b, 2)
+    assert m.visible(a)[:6] == m.visible(b)[:6] and m.visible(a)[6] != m.visible(b)[6]
+    m.check()
+
+
+def pool_pages(pool, *ids):
+    return tuple(pool.sequence(s).pages for s in ids)
+
+
+def test_fork_of_empty_or_fully_trimmed_sequence_copies_nothing():
+    pool = BlockPool(4, 4)
+    a = pool.add_sequence()
+    b, copies = pool.fork(a)
+    assert copies == () and pool.sequence(b) == SequenceState((), 0, 0)
+    pool.append(a, 3)
+    pool.trim_front(a, 3)
+    c, copies = pool.fork(a)
+    assert copies == () and pool.sequence(c) == SequenceState((), 3, 3)
+    assert pool.num_free == 4
+
+
+def test_prefix_sharing_through_a_real_pool():
+    m = Model(16, 4)
+    root = m.add()
+    m.append(root, 8)                                 # a two-page prompt
+    kids = [m.fork(root)[0] for _ in range(2)]
+    for k, n in zip(kids, (3, 6)):
+        m.append(k, n)
+    assert [m.pool.refcount(p) for p in (0, 1)] == [3, 3]
+    table, rope = m.pool.page_table(kids)
+    slices = [table.indices[table.indptr[i] : table.indptr[i + 1]].tolist() for i in range(2)]
+    assert slices[0][:2] == slices[1][:2] == [0, 1]   # same physical prefix pages
+    assert not set(slices[0][2:]) & set(slices[1][2:])
+    assert rope.tolist() == [11, 14]
+    assert gather(table, m.cache)[0][:8] == gather(table, m.cache)[1][:8] == m.tokens[root]
+    m.pool.free(root)
+    assert [m.pool.refcount(p) for p in (0, 1)] == [2, 2]
+    m.pool.free(kids[0])
+    assert [m.pool.refcount(p) for p in (0, 1)] == [1, 1]
+    del m.tokens[root], m.tokens[kids[0]]
+    m.check()
+
+
+# -- trimming --------------------------------------------------------------------
+
+
+def test_trim_front_drops_retired_pages():
+    m = Model(8, 4)
+    s = m.add()
+    m.append(s, 10)                                   # pages 0, 1, 2
+    assert m.pool.trim_front(s, 3) == ()              # still inside page 0
+    assert m.pool.refcount(0) == 1
+    assert m.pool.trim_front(s, 2) == (0,)            # logical_start 5: page 0 retired
+    assert m.pool.refcount(0) == 0 and m.pool.num_free == 6
+    assert m.pool.sequence(s) == SequenceState((1, 2), 5, 10)
+    table, rope = m.pool.page_table([s])
+    assert table.first_page_offset.tolist() == [1]
+    assert table.seq_lens.tolist() == [5] and rope.tolist() == [10]   # visible != written
+    m.append(s, 1)                                    # keeps writing at position 10
+    assert m.pool.sequence(s).pages == (1, 2)
+    m.check()
+    m.append(s, 3)                                    # position 12 needs a page:
+    assert m.pool.sequence(s).pages == (1, 2, 0)      # the freed one is reused
+    m.check()
+
+
+def test_trim_of_shared_page_keeps_it_for_the_other_holder():
+    pool = BlockPool(8, 4)
+    a = pool.add_sequence()
+    pool.append(a, 8)
+    b, _ = pool.fork(a)
+    assert pool.trim_front(a, 4) == (0,)
+    assert pool.refcount(0) == 1 and pool.num_free == 6  # b still holds page 0
+    assert pool.sequence(b).pages == (0, 1)
+    check_invariants(pool)
+
+
+def test_apply_window():
+    m = Model(8, 4)
+    s = m.add()
+    m.append(s, 11)
+    assert m.pool.apply_window(s, 20) == ()           # window wider than the sequence
+    assert m.pool.apply_window(s, 6) == (0,)          # keep tokens 5..10
+    assert m.pool.sequence(s) == SequenceState((1, 2), 5, 11)
+    assert m.visible(s) == m.tokens[s][5:]
+    m.append(s, 2)
+    assert m.pool.apply_window(s, 6) == ()            # keep 7..12: page 1 holds 7
+    assert m.pool.apply_window(s, 5) == (1,)          # keep 8..12: page 1 retired
+    m.check()
+
+
+def test_fully_trimmed_sequence():
+    m = Model(4, 4)
+    s = m.add()
+    m.append(s, 6)
+    assert m.pool.apply_window(s, 0) == (0, 1)        # even the partial last page goes
+    assert m.pool.num_free == 4
+    assert m.pool.sequence(s) == SequenceState((), 6, 6)
+    table, rope = m.pool.page_table([s])
+    assert table.request_pages.tolist() == [0] and table.seq_lens.tolist() == [0]
+    assert rope.tolist() == [6]
+    assert m.pool.trim_front(s, 0) == ()
+    m.append(s, 3)                                    # positions 6..8: entry 2 of a fresh page
+    assert m.pool.sequence(s) == SequenceState((0, 1), 6, 9)
+    table, _ = m.pool.page_table([s])
+    assert table.first_page_offset.tolist() == [2] and table.last_page_len.tolist() == [1]
+    m.check()
+
+
+def test_free_returns_pages_lowest_id_first():
+    pool = BlockPool(6, 2)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    pool.append(a, 4)                                 # 0, 1
+    pool.append(b, 4)                                 # 2, 3
+    pool.free(b)
+    pool.free(a)
+    assert pool.num_free == 6 and pool.seq_ids == ()
+    c = pool.add_sequence()
+    assert pool.append(c, 6) == (0, 1, 2)             # lowest ids, whatever the release order
+    with pytest.raises(KeyError, match="unknown sequence id 0"):
+        pool.free(a)
+
+
+# -- failures leave the pool exactly as it was ----------------------------------
+
+
+def build_busy_pool():
+    pool = BlockPool(5, 4)
+    a = pool.add_sequence()
+    pool.append(a, 6)                                 # 0, 1 (partial)
+    b, _ = pool.fork(a)                               # shares 0, copy into 2
+    pool.trim_front(b, 1)
+    return pool, a, b
+
+
+@pytest.mark.parametrize(
+    "op, exc, match",
+    [
+        (lambda p, a, b: p.append(a, 11), OutOfPagesError, "need 3, 2 of 5 free"),
+        (lambda p, a, b: p.append(99, 1), KeyError, "unknown sequence id 99"),
+        (lambda p, a, b: p.append(a, -1), ValueError, "n_tokens must be >= 0"),
+        (lambda p, a, b: p.append(a, 1.5), ValueError, "n_tokens must be an int"),
+        (lambda p, a, b: p.trim_front(b, 6), ValueError, "only 5 visible"),
+        (lambda p, a, b: p.trim_front(b, -1), ValueError, "n_tokens must be >= 0"),
+        (lambda p, a, b: p.apply_window(a, -2), ValueError, "window must be >= 0"),
+        (lambda p, a, b: p.fork(7), KeyError, "unknown sequence id 7"),
+        (lambda p, a, b: p.fork(a, b), ValueError, "already exists"),
+        (lambda p, a, b: p.free(None), KeyError, "unknown sequence id None"),
+        (lambda p, a, b: p.free([1]), KeyError, "unknown sequence id"),
+        (lambda p, a, b: p.refcount(5), ValueError, r"page id 5 out of range \[0, 5\)"),
+        (lambda p, a, b: p.refcount(-1), ValueError, "page must be >= 0"),
+        (lambda p, a, b: p.sequence(3), KeyError, "unknown sequence id 3"),
+        (lambda p, a, b: p.page_table([a, 42]), KeyError, "unknown sequence id 42"),
+        (lambda p, a, b: p.add_sequence(a), ValueError, "already exists"),
+    ],
+)
+def test_failures_raise_clearly_and_change_nothing(op, exc, match):
+    pool, a, b = build_busy_pool()
+    before = snapshot(pool)
+    with pytest.raises(exc, match=match):
+        op(pool, a, b)
+    assert snapshot(pool) == before
+    check_invariants(pool)
+
+
+def test_fork_out_of_pages_changes_nothing():
+    pool, a, b = build_busy_pool()
+    pool.append(b, 10)                                # takes the last 2 free pages
+    assert pool.num_free == 0 and pool.sequence(a).length % 4   # a ends mid-page
+    before = snapshot(pool)
+    with pytest.raises(OutOfPagesError, match="forking sequence 0: need 1, 0 of 5 free"):
+        pool.fork(a, 9)
+    assert snapshot(pool) == before and 9 not in pool.seq_ids
+    c, copies = pool.fork(b)                          # b ends on a full page: no copy needed
+    assert copies == () and pool.refcount(pool.sequence(b).pages[-1]) == 2
+    check_invariants(pool)
+
+
+def test_out_of_pages_is_a_memory_error_and_pool_still_usable():
+    pool = BlockPool(2, 4)
+    s = pool.add_sequence()
+    pool.append(s, 5)
+    before = snapshot(pool)
+    with pytest.raises(MemoryError):
+        pool.append(s, 4)
+    assert snapshot(pool) == before
+    assert pool.append(s, 3) == ()                    # what fits still works
+    assert pool.sequence(s).length == 8
+
+
+@pytest.mark.parametrize("args", [(-1, 4), (4, 0), (4, 65537), (4.0, 4)])
+def test_pool_rejects_bad_sizes(args):
+    with pytest.raises(ValueError):
+        BlockPool(*args)
+
+
+# -- apply_page_copies -------------------------------------------------------------
+
+
+def test_apply_page_copies_numpy():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((6, 4, 2, 8)).astype(np.float16)
+    v = rng.standard_normal((6, 4, 2, 8)).astype(np.float32)
+    k0, v0 = k.copy(), v.copy()
+    apply_page_copies([k, v], [PageCopy(1, 4), PageCopy(2, 5)])   # independent: vectorized
+    for cache, orig in ((k, k0), (v, v0)):
+        assert (cache[4] == orig[1]).all() and (cache[5] == orig[2]).all()
+        assert (cache[:4] == orig[:4]).all()
+    # a chain keeps its sequential meaning: 0 -> 3, then 3 -> 1 copies page 0 twice
+    apply_page_copies(k, (PageCopy(0, 3), PageCopy(3, 1)))
+    assert (k[3] == k0[0]).all() and (k[1] == k0[0]).all()
+    apply_page_copies(k, [])
+    # ids are checked against every cache before anything is written
+    before = v.copy()
+    with pytest.raises(ValueError, match="out of range"):
+        apply_page_copies([v, v[:3]], [PageCopy(0, 1), PageCopy(2, 3)])
+    assert (v == before).all()
+
+
+# -- randomized operations ---------------------------------------------------------
+
+
+def test_random_operation_sequences_keep_invariants():
+    rng = np.random.default_rng(7)
+    for trial in range(12):
+        m = Model(int(rng.integers(4, 24)), int(rng.choice([1, 2, 4, 5])))
+        for step in range(60):
+            ids = list(m.pool.seq_ids)
+            op = rng.choice(["add", "append", "append", "fork", "trim", "window", "free"])
+            sid = int(rng.choice(ids)) if ids else None
+            before = snapshot(m.pool)
+            try:
+                if op == "add" or sid is None:
+                    m.add()
+                elif op == "append":
+                    m.append(sid, int(rng.integers(0, 3 * m.pool.page_size)))
+                elif op == "fork":
+                    m.fork(sid)
+                elif op == "trim":
+                    st = m.pool.sequence(sid)
+                    m.pool.trim_front(sid, int(rng.integers(0, st.length - st.logical_start + 1)))
+                elif op == "window":
+                    m.pool.apply_window(sid, int(rng.integers(0, 10)))
+                else:
+                    m.pool.free(sid)
+                    del m.tokens[sid]
+            except OutOfPagesError:
+                assert snapshot(m.pool) == before, (trial, step)
+            m.check()
