@@ -66,8 +66,11 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
     # bfloat16 matmuls are not universally available in cuBLAS through CuPy:
     # compute in float32 for it, natively for float16/float32.
     compute = cupy.float32 if q.dtype not in (np.float16, np.float32) else q.dtype
-    k = k_cache[page, slot].astype(compute, copy=False)  # [B, L, Hkv, D]
-    v = v_cache[page, slot].astype(compute, copy=False)
+    # Padding slots point at an arbitrary cache entry: zero them, since a
+    # masked score still multiplies that entry's V (0 * NaN = NaN).
+    pad = ~valid[:, :, None, None]
+    k = cupy.where(pad, 0, k_cache[page, slot]).astype(compute, copy=False)  # [B, L, Hkv, D]
+    v = cupy.where(pad, 0, v_cache[page, slot]).astype(compute, copy=False)
     qg = q.astype(compute, copy=False).reshape(batch, num_kv_heads, group, head_dim)
     scores = cupy.matmul(qg, k.transpose(0, 2, 3, 1)).astype(cupy.float32)  # [B, Hkv, g, L]
     scores *= np.float32(scale_log2)

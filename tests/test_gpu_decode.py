@@ -219,8 +219,8 @@ def test_plan_reused_across_decode_steps_and_stale_plan_rejected():
     assert plan.matches(step)
     out, lse = run("v2", dq, dk, dv, step, plan)
     check(out, lse, *reference.decode(q, k, v, step), np.float16)
-    # request 0 grows by a page past a chunk boundary: the plan is stale
-    grown = cupaged.PageTable.from_seq_lens([161, 40], 16, page_ids=np.arange(num_pages + 64, dtype=np.int32))
+    # request 0 grows from 10 to 13 pages, past a 4-page chunk boundary: the plan is stale
+    grown = cupaged.PageTable.from_seq_lens([193, 40], 16, page_ids=np.arange(num_pages + 64, dtype=np.int32))
     assert not plan.matches(grown)
     with pytest.raises(cupaged.PlanMismatchError):
         cupaged.decode(dq, dk, dv, grown, plan)
