@@ -38,19 +38,36 @@ struct CacheStrides {
   long long page, token, head;
 };
 
-template <int HEADS, int HEAD_DIM>
-struct AttendScratch {
-  int page_ids[PAGE_WINDOW];
-  float m[NUM_WARPS][HEADS];
-  float l[NUM_WARPS][HEADS];
-  float acc[NUM_WARPS][HEADS][HEAD_DIM];
+// Token-loop unroll: tokens per lane per pipeline stage.
+constexpr int UNROLL = 2;
+// K/V ring buffer budget per CTA: the stage count follows from it.
+constexpr int RING_BYTES = 32 * 1024;
+
+template <typename T, int HEAD_DIM>
+struct Pipeline {
+  using Map = RowMap<T, HEAD_DIM>;
+  static constexpr int STAGE_BYTES = UNROLL * Map::VPT * 2 * 16 * NUM_THREADS;
+  static constexpr int STAGES = RING_BYTES / STAGE_BYTES >= 4 ? 4 : RING_BYTES / STAGE_BYTES;
+  static_assert(STAGES >= 2, "K/V ring needs at least two stages");
 };
 
-// Token-loop unroll: more loads in flight per lane, bounded by registers
-// (q and the accumulator take 2*HEADS*EPT registers).
-template <int HEADS>
-struct Unroll {
-  static constexpr int value = HEADS <= 2 ? 4 : 2;
+// Shared memory of one CTA. The K/V ring (used by the token loop) and the
+// cross-warp combine buffers (used after it) are never live together.
+template <typename T, int HEAD_DIM, int HEADS>
+struct AttendScratch {
+  using Map = RowMap<T, HEAD_DIM>;
+  static constexpr int STAGES = Pipeline<T, HEAD_DIM>::STAGES;
+  int page_ids[PAGE_WINDOW];
+  union {
+    // [stage][u][vector][K or V][thread]: each lane reads back only what it
+    // copied, and a warp's 32 lanes touch 512 contiguous bytes (no conflicts).
+    uint4 ring[STAGES][UNROLL][Map::VPT][2][NUM_THREADS];
+    struct {
+      float m[NUM_WARPS][HEADS];
+      float l[NUM_WARPS][HEADS];
+      float acc[NUM_WARPS][HEADS][HEAD_DIM];
+    } combine;
+  };
 };
 
 // Attends query heads [0, HEADS) at q (head stride stride_q_head) over the
@@ -59,17 +76,21 @@ struct Unroll {
 // emit.value(h, d, float4) for every 4 output elements of head h (normalized
 // by the softmax denominator) and emit.lse(h, lse) once per head (log2).
 // An empty range emits zeros and -inf. Must be called by all NUM_THREADS threads.
+//
+// K/V move global -> shared with cp.async, STAGES - 1 tiles ahead of the
+// compute, so each lane keeps several 16-byte loads in flight without
+// holding them in registers.
 template <typename T, int HEAD_DIM, int HEADS, typename Emit>
 __device__ __forceinline__ void cta_attend(
     const T* __restrict__ q, long long stride_q_head, float scale_log2,
     const T* __restrict__ k_cache, CacheStrides ks,
     const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
     const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
-    AttendScratch<HEADS, HEAD_DIM>& sm, Emit& emit) {
+    AttendScratch<T, HEAD_DIM, HEADS>& sm, Emit& emit) {
   using Map = RowMap<T, HEAD_DIM>;
   using S = Storage<T>;
   constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
-  constexpr int UNROLL = Unroll<HEADS>::value;
+  constexpr int STAGES = Pipeline<T, HEAD_DIM>::STAGES;
   constexpr int TILE = NUM_WARPS * GPW * UNROLL;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -98,6 +119,7 @@ __device__ __forceinline__ void cta_attend(
   const long long v_head = (long long)kv_head * vs.head + Map::dim(li, 0);
   const int first_page = slot_begin / page_size;
   const int end_page = slot_end > slot_begin ? (slot_end + page_size - 1) / page_size : first_page;
+  const int lane_offset = warp * GPW + group;  // this lane's token within a tile row
 
   for (int win = first_page; win < end_page; win += PAGE_WINDOW) {
     const int win_end = min(win + PAGE_WINDOW, end_page);
@@ -105,38 +127,53 @@ __device__ __forceinline__ void cta_attend(
     for (int i = tid; i < win_end - win; i += NUM_THREADS) sm.page_ids[i] = req_pages[win + i];
     __syncthreads();
     const int s0 = max(slot_begin, win * page_size), s1 = min(slot_end, win_end * page_size);
+    const int n_iter = (s1 - s0 + TILE - 1) / TILE;
 
-    for (int base = s0; base < s1; base += TILE) {
-      uint4 kr[UNROLL][VPT], vr[UNROLL][VPT];
-      bool valid[UNROLL];
-      // Issue every load of the tile before the first use.
+    // Copies tile `it` into its ring stage (zero-filled past s1); always
+    // commits a group so the wait count below stays uniform.
+    auto issue = [&](int it) {
+      if (it < n_iter) {
+        const int stage = it % STAGES;
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int pos = base + (u * NUM_WARPS + warp) * GPW + group;
-        valid[u] = pos < s1;
-        if (valid[u]) {
-          const int p = pos / page_size;
-          const int slot = pos - p * page_size;
-          const long long page = sm.page_ids[p - win];
-          const T* kp = k_cache + page * ks.page + slot * ks.token + k_head;
-          const T* vp = v_cache + page * vs.page + slot * vs.token + v_head;
+        for (int u = 0; u < UNROLL; ++u) {
+          const int pos = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset;
+          const bool valid = pos < s1;
+          const T* kp = k_cache;
+          const T* vp = v_cache;
+          if (valid) {
+            const int p = pos / page_size;
+            const int slot = pos - p * page_size;
+            const long long page = sm.page_ids[p - win];
+            kp = k_cache + page * ks.page + slot * ks.token + k_head;
+            vp = v_cache + page * vs.page + slot * vs.token + v_head;
+          }
 #pragma unroll
           for (int v = 0; v < VPT; ++v) {
-            kr[u][v] = load_vec(kp + v * TPR * VEC);
-            vr[u][v] = load_vec(vp + v * TPR * VEC);
+            cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * TPR * VEC, valid);
+            cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * TPR * VEC, valid);
           }
-        } else {
-#pragma unroll
-          for (int v = 0; v < VPT; ++v) kr[u][v] = vr[u][v] = make_uint4(0, 0, 0, 0);
         }
       }
+      cp_async_commit();
+    };
+
+#pragma unroll
+    for (int it = 0; it < STAGES - 1; ++it) issue(it);
+
+    for (int it = 0; it < n_iter; ++it) {
+      // Refills the stage read one iteration ago (by this same lane).
+      issue(it + STAGES - 1);
+      cp_async_wait<STAGES - 1>();
+      const int stage = it % STAGES;
 
       float s[UNROLL][HEADS];
+      bool valid[UNROLL];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
+        valid[u] = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset < s1;
         float kf[EPT];
 #pragma unroll
-        for (int v = 0; v < VPT; ++v) S::unpack(kr[u][v], &kf[v * VEC]);
+        for (int v = 0; v < VPT; ++v) S::unpack(sm.ring[stage][u][v][0][tid], &kf[v * VEC]);
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
           float dot = 0.f;
@@ -170,13 +207,14 @@ __device__ __forceinline__ void cta_attend(
       for (int u = 0; u < UNROLL; ++u) {
         float vf[EPT];
 #pragma unroll
-        for (int v = 0; v < VPT; ++v) S::unpack(vr[u][v], &vf[v * VEC]);
+        for (int v = 0; v < VPT; ++v) S::unpack(sm.ring[stage][u][v][1][tid], &vf[v * VEC]);
 #pragma unroll
         for (int h = 0; h < HEADS; ++h)
 #pragma unroll
           for (int e = 0; e < EPT; ++e) acc[h][e] = fmaf(p[u][h], vf[e], acc[h][e]);
       }
     }
+    cp_async_wait<0>();  // only empty groups remain; keeps the ring idle at window end
   }
 
   // Combine the lane groups of this warp (same dims, different tokens).
@@ -199,19 +237,19 @@ __device__ __forceinline__ void cta_attend(
     }
   }
 
-  __syncthreads();  // page_ids of the last window may still be read above
+  __syncthreads();  // every lane is done with the ring before it becomes the combine buffer
   if (group == 0) {
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
       if (li == 0) {
-        sm.m[warp][h] = m[h];
-        sm.l[warp][h] = l[h];
+        sm.combine.m[warp][h] = m[h];
+        sm.combine.l[warp][h] = l[h];
       }
 #pragma unroll
       for (int v = 0; v < VPT; ++v)
 #pragma unroll
         for (int e = 0; e < VEC; e += 4)
-          *reinterpret_cast<float4*>(&sm.acc[warp][h][Map::dim(li, v) + e]) =
+          *reinterpret_cast<float4*>(&sm.combine.acc[warp][h][Map::dim(li, v) + e]) =
               make_float4(acc[h][v * VEC + e], acc[h][v * VEC + e + 1], acc[h][v * VEC + e + 2],
                           acc[h][v * VEC + e + 3]);
     }
@@ -224,15 +262,15 @@ __device__ __forceinline__ void cta_attend(
     const int h = item / D4, d = (item % D4) * 4;
     float m_max = neg_inf();
 #pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, sm.m[w][h]);
+    for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, sm.combine.m[w][h]);
     const float m_safe = m_max == neg_inf() ? 0.f : m_max;
     float denom = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < NUM_WARPS; ++w) {
-      const float wgt = fast_exp2(sm.m[w][h] - m_safe);
-      denom += sm.l[w][h] * wgt;
-      const float4 a = *reinterpret_cast<const float4*>(&sm.acc[w][h][d]);
+      const float wgt = fast_exp2(sm.combine.m[w][h] - m_safe);
+      denom += sm.combine.l[w][h] * wgt;
+      const float4 a = *reinterpret_cast<const float4*>(&sm.combine.acc[w][h][d]);
       o.x += a.x * wgt; o.y += a.y * wgt; o.z += a.z * wgt; o.w += a.w * wgt;
     }
     const float inv = denom > 0.f ? 1.f / denom : 0.f;

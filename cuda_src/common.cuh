@@ -79,6 +79,16 @@ __device__ __forceinline__ uint4 load_vec(const T* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// 16-byte global->shared copy that bypasses registers and L1 (cp.async.cg);
+// when !valid it reads nothing and zero-fills the destination.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // Sum over aligned groups of WIDTH lanes (WIDTH a power of two <= 32).
 template <int WIDTH>
 __device__ __forceinline__ float group_sum(float x) {

@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_partial(
     float* __restrict__ partial_v, float* __restrict__ partial_lse,
     T* __restrict__ final_out, long long stride_o_batch, long long stride_o_head,
     float* __restrict__ final_lse) {
-  __shared__ AttendScratch<HEADS, HEAD_DIM> sm;
+  __shared__ AttendScratch<T, HEAD_DIM, HEADS> sm;
   const int chunk = blockIdx.x;
   const int kv_head = blockIdx.y / q_groups;
   const int head0 = kv_head * group_size + (blockIdx.y % q_groups) * HEADS;

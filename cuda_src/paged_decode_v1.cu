@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_v1(
     const int* __restrict__ last_page_len, const int* __restrict__ first_page_offset,
     int page_size, int num_qo_heads, int group_size, float scale_log2,
     T* __restrict__ out, long long stride_o_batch, long long stride_o_head, float* __restrict__ lse) {
-  __shared__ AttendScratch<1, HEAD_DIM> sm;
+  __shared__ AttendScratch<T, HEAD_DIM, 1> sm;
   const int req = blockIdx.x, head = blockIdx.y;
   const int page0 = indptr[req];
   const int pages = indptr[req + 1] - page0;

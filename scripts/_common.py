@@ -1,0 +1,401 @@
+"""Shared helpers of the evidence scripts (correctness.py, microbench.py) and
+the pytest-benchmark suite (tests/bench).
+
+What lives here:
+
+* the **adversarial batch layout** (NumPy only, testable without a GPU):
+  ragged visible lengths just below ``ctx``, ``ceil(B/2)`` requests starting
+  mid-page, physical pages taken in *reverse* order (or a random scatter) out
+  of a pool with 2x slack, so a kernel that ignored ``indices`` reads the
+  wrong pages and fails;
+* the device side (cupy, imported lazily): caches and queries filled with
+  random normal values generated in float32 on the GPU and cast to the
+  storage dtype;
+* the no-GPU check: ``require_gpu()`` prints :data:`NO_GPU_MESSAGE` to stderr
+  and exits with status :data:`EXIT_NO_GPU` (3);
+* CSV and markdown writers that take the column list as a tuple (each script
+  keeps its own module-level tuple; columns are appended, never reordered);
+* byte counting for the memory-bound roofline.
+
+Nothing here touches cupy or the GPU at import time.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Exit status of a script started on a machine without a CUDA GPU.
+EXIT_NO_GPU = 3
+NO_GPU_MESSAGE = (
+    "no CUDA GPU available (cupaged.has_gpu() is False): this script needs an NVIDIA GPU; exiting with status 3"
+)
+#: Text for an argparse epilog (both scripts document their exit codes).
+EXIT_CODES_EPILOG = (
+    "exit status: 0 = everything passed/ran, 1 = a check failed, 2 = bad arguments, 3 = no CUDA GPU on this machine"
+)
+
+#: H200 read roofline (bytes/s) used for every "% of roofline" column.
+ROOFLINE_BPS = 4.6e12
+
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
+PAGE_ORDERS = ("reverse", "random")
+
+# Random fill is generated in float32 chunks of this many elements, so a
+# multi-GiB cache never needs a float32 temporary of its full size.
+_FILL_CHUNK = 1 << 26
+
+
+# ---------------------------------------------------------------- dtypes, args
+
+
+def resolve_dtype(name: str) -> np.dtype:
+    """``"float16" | "bfloat16" | "float32"`` -> NumPy dtype (bfloat16 from
+    ml_dtypes)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name in ("float16", "float32"):
+        return np.dtype(name)
+    raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPE_NAMES)}")
+
+
+def parse_list(values: Iterable[str] | None, cast=str) -> tuple | None:
+    """Flatten argparse ``nargs='+'`` values that may also be comma lists:
+    ``["512,4096", "16384"]`` -> ``(512, 4096, 16384)``. ``None`` stays
+    ``None`` (axis not overridden)."""
+    if values is None:
+        return None
+    out = []
+    for value in values:
+        for part in str(value).split(","):
+            part = part.strip()
+            if part:
+                out.append(cast(part))
+    if not out:
+        raise ValueError("empty list")
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ GPU check
+
+
+def has_gpu() -> bool:
+    """``cupaged.has_gpu()``; when the package does not provide it (yet), the
+    same test done here: cupy imports and reports at least one device."""
+    try:
+        import cupaged
+
+        fn = cupaged.has_gpu
+    except (ImportError, AttributeError):
+        fn = None
+    if fn is not None:
+        return bool(fn())
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def require_gpu() -> None:
+    """Exit with :data:`EXIT_NO_GPU` and a clear message when there is no GPU."""
+    if not has_gpu():
+        print(NO_GPU_MESSAGE, file=sys.stderr)
+        sys.exit(EXIT_NO_GPU)
+
+
+def free_gpu_memory() -> None:
+    """Return every cached block of cupy's pools to the driver (call after
+    dropping the references of one configuration)."""
+    import cupy
+
+    cupy.cuda.get_current_stream().synchronize()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+# --------------------------------------------------------- batch layout (NumPy)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Host description of one adversarial batch (no cupaged, no cupy).
+
+    ``page_ids[indptr[i]:indptr[i+1]]`` (indptr = cumsum of
+    ``request_pages``) are request ``i``'s physical pages in logical order,
+    all ``< num_pages``.
+    """
+
+    page_size: int
+    seq_lens: np.ndarray  # int64 [B] visible tokens
+    first_page_offset: np.ndarray  # int64 [B] 0 or in [1, page_size)
+    request_pages: np.ndarray  # int64 [B] ceil((off + len) / P)
+    page_ids: np.ndarray  # int32 [total_pages]
+    num_pages: int  # size of the pool the ids come from
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def total_pages(self) -> int:
+        return int(self.page_ids.shape[0])
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
+
+def plan_layout(
+    batch: int,
+    ctx: int,
+    page_size: int,
+    *,
+    seed: int,
+    mid_page: bool = True,
+    slack: int = 2,
+    page_order: str = "reverse",
+    min_num_pages: int = 0,
+) -> BatchLayout:
+    """Adversarial batch layout, NumPy only.
+
+    * request ``i`` sees ``ctx - r_i`` tokens, ``r_i`` uniform in
+      ``[0, min(page_size, ctx))``: the last pages are ragged (``r_i = 0`` with
+      offset 0 gives an exactly full last page);
+    * with ``mid_page``, ``ceil(batch/2)`` requests chosen at random start at
+      ``first_page_offset`` uniform in ``[1, page_size)``; the visible length
+      stays as chosen (the request just spans one more page when needed);
+    * the pool has ``num_pages = max(slack * total_pages, min_num_pages)``
+      pages; ``page_order="reverse"`` hands out ids descending from the top
+      of the pool with stride ``num_pages // total_pages`` (>= 2 with the
+      default slack: request 0's first page is ``num_pages - 1``);
+      ``"random"`` takes a random sample of distinct ids in random order.
+
+    Example: ``plan_layout(2, 40, 16, seed=0)`` -> two requests of 25..40
+    tokens, one starting mid-page, ~6 pages out of a 12-page pool, ids
+    ``11, 9, 7, ...``.
+    """
+    if batch < 1 or ctx < 1:
+        raise ValueError(f"batch and ctx must be >= 1, got {batch}, {ctx}")
+    if page_size < 2 and mid_page:
+        raise ValueError("mid-page starts need page_size >= 2")
+    if slack < 1:
+        raise ValueError(f"slack must be >= 1, got {slack}")
+    if page_order not in PAGE_ORDERS:
+        raise ValueError(f"page_order must be one of {PAGE_ORDERS}, got {page_order!r}")
+    rng = np.random.default_rng(seed)
+    trim = rng.integers(0, min(page_size, ctx), size=batch)
+    seq_lens = (ctx - trim).astype(np.int64)
+    offsets = np.zeros(batch, dtype=np.int64)
+    if mid_page:
+        chosen = rng.choice(batch, size=(batch + 1) // 2, replace=False)
+        offsets[chosen] = rng.integers(1, page_size, size=chosen.shape[0])
+    request_pages = -(-(offsets + seq_lens) // page_size)
+    total = int(request_pages.sum())
+    num_pages = max(slack * total, int(min_num_pages))
+    if num_pages > np.iinfo(np.int32).max:
+        raise ValueError(f"pool of {num_pages} pages does not fit int32 page ids")
+    if page_order == "reverse":
+        stride = num_pages // total
+        page_ids = (num_pages - 1) - stride * np.arange(total, dtype=np.int64)
+    else:
+        page_ids = rng.choice(num_pages, size=total, replace=False)
+    return BatchLayout(
+        page_size=int(page_size),
+        seq_lens=seq_lens,
+        first_page_offset=offsets,
+        request_pages=request_pages.astype(np.int64),
+        page_ids=page_ids.astype(np.int32),
+        num_pages=int(num_pages),
+    )
+
+
+def layout_table(layout: BatchLayout):
+    """The layout as a :class:`cupaged.PageTable` (built with
+    ``PageTable.from_seq_lens``; validated against the pool size)."""
+    from cupaged.page_table import PageTable
+
+    table = PageTable.from_seq_lens(
+        layout.seq_lens,
+        layout.page_size,
+        layout.first_page_offset,
+        page_ids=layout.page_ids,
+    )
+    table.check_page_ids(layout.num_pages)
+    return table
+
+
+# ------------------------------------------------------------ device batch
+
+
+@dataclass
+class DeviceBatch:
+    """Device tensors of one batch. ``caches`` holds ``replicas`` independent
+    ``(k_cache, v_cache)`` pairs that share the page table (rotating between
+    them keeps small cells out of L2)."""
+
+    layout: BatchLayout
+    table: Any  # cupaged.PageTable
+    q: Any  # cupy [B, Hq, D]
+    caches: list  # [(k_cache, v_cache)] cupy [num_pages, P, Hkv, D]
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+
+    @property
+    def k_cache(self):
+        return self.caches[0][0]
+
+    @property
+    def v_cache(self):
+        return self.caches[0][1]
+
+
+def fill_random(shape: Sequence[int], dtype: np.dtype, rs) -> Any:
+    """cupy array of ``shape``/``dtype`` with standard normal values drawn in
+    float32 on the GPU (``rs``: ``cupy.random.RandomState``), chunked."""
+    import cupy
+
+    out = cupy.empty(tuple(shape), dtype=dtype)
+    flat = out.reshape(-1)
+    n = flat.size
+    for start in range(0, n, _FILL_CHUNK):
+        stop = min(n, start + _FILL_CHUNK)
+        flat[start:stop] = rs.standard_normal(stop - start, dtype=cupy.float32).astype(dtype)
+    return out
+
+
+def make_device_batch(
+    layout: BatchLayout,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: np.dtype,
+    *,
+    seed: int,
+    replicas: int = 1,
+) -> DeviceBatch:
+    """Random q and ``replicas`` random cache pairs for ``layout``."""
+    import cupy
+
+    table = layout_table(layout)
+    rs = cupy.random.RandomState(seed)
+    shape = (layout.num_pages, layout.page_size, num_kv_heads, head_dim)
+    caches = [(fill_random(shape, dtype, rs), fill_random(shape, dtype, rs)) for _ in range(replicas)]
+    q = fill_random((layout.batch_size, num_qo_heads, head_dim), dtype, rs)
+    cupy.cuda.Device().synchronize()
+    return DeviceBatch(layout, table, q, caches, num_qo_heads, num_kv_heads, head_dim, np.dtype(dtype))
+
+
+def nan_like(q) -> Any:
+    """A fresh array of ``q``'s shape and dtype full of NaN (poisoned out)."""
+    import cupy
+
+    return cupy.full(q.shape, np.nan, dtype=cupy.float32).astype(q.dtype)
+
+
+# ------------------------------------------------------------------- bytes
+
+
+def kv_bytes(layout: BatchLayout, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Every visible K and V element once."""
+    return 2 * layout.total_tokens * num_kv_heads * head_dim * itemsize
+
+
+def decode_bytes(layout: BatchLayout, num_qo_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes one decode must move: visible K and V once, q read, out written,
+    and the int32 page table (indices, indptr, last_page_len,
+    first_page_offset)."""
+    b = layout.batch_size
+    qo = 2 * b * num_qo_heads * head_dim * itemsize
+    table = 4 * (layout.total_pages + (b + 1) + b + b)
+    return kv_bytes(layout, num_kv_heads, head_dim, itemsize) + qo + table
+
+
+# ------------------------------------------------------------------ writers
+
+
+def _check_keys(columns: Sequence[str], row: Mapping[str, Any]) -> None:
+    extra = set(row) - set(columns)
+    if extra:
+        raise KeyError(f"row has keys not in the column list: {sorted(extra)}")
+
+
+def write_csv(path: str | Path, columns: Sequence[str], rows: Iterable[Mapping[str, Any]]) -> None:
+    """CSV with exactly ``columns`` as header, in that order; a missing key is
+    an empty cell, an unknown key is an error (add it to the tuple, at the
+    end)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(columns)
+        for row in rows:
+            _check_keys(columns, row)
+            writer.writerow([_csv_value(row.get(c)) for c in columns])
+
+
+def _csv_value(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, (bool, np.bool_)):
+        return "1" if value else "0"
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        return "" if math.isnan(value) else repr(value)
+    return str(value)
+
+
+def format_value(value: Any) -> str:
+    """Short human form: 4 significant digits for floats, yes/no for bools."""
+    if value is None:
+        return ""
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        if math.isnan(value):
+            return ""
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+            return f"{value:.3e}"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(
+    columns: Sequence[str], rows: Iterable[Mapping[str, Any]], headers: Mapping[str, str] | None = None
+) -> str:
+    """GitHub markdown table of ``rows`` restricted to ``columns`` (in that
+    order); ``headers`` optionally renames columns for display."""
+    headers = headers or {}
+    lines = [
+        "| " + " | ".join(headers.get(c, c) for c in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for row in rows:
+        cells = [format_value(row.get(c)).replace("|", "\\|") for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def text_table(
+    columns: Sequence[str], rows: Sequence[Mapping[str, Any]], headers: Mapping[str, str] | None = None
+) -> str:
+    """Fixed-width plain-text table for terminal summaries."""
+    headers = headers or {}
+    head = [headers.get(c, c) for c in columns]
+    body = [[format_value(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(h)] + [len(line[i]) for line in body]) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in body])
