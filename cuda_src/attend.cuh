@@ -19,17 +19,32 @@ constexpr int NUM_THREADS = NUM_WARPS * 32;
 // loop's address math never waits on a dependent global load.
 constexpr int PAGE_WINDOW = 256;
 
-template <typename T, int HEAD_DIM>
+// How one warp covers head_dim rows. With few query heads per CTA a lane
+// takes two 16-byte vectors of a row (fewer lanes per row: fewer shuffle
+// stages and less address math per token); with many heads one vector keeps
+// q and the accumulators within the register budget.
+template <typename T, int HEAD_DIM, int HEADS>
 struct RowMap {
   static constexpr int VEC = Storage<T>::VEC;
-  static constexpr int NVEC = HEAD_DIM / VEC;       // 16-byte vectors per row
-  static constexpr int TPR = NVEC < 32 ? NVEC : 32;  // lanes per token row
-  static constexpr int VPT = NVEC / TPR;             // vectors per lane
-  static constexpr int GPW = 32 / TPR;               // token groups per warp
-  static constexpr int EPT = VPT * VEC;              // elements per lane
+  static constexpr int NVEC = HEAD_DIM / VEC;                 // 16-byte vectors per row
+  static constexpr int WANT_VPT = HEADS <= 4 && NVEC >= 2 ? 2 : 1;
+  static constexpr int TPR = NVEC / WANT_VPT < 32 ? NVEC / WANT_VPT : 32;  // lanes per token row
+  static constexpr int VPT = NVEC / TPR;                       // vectors per lane
+  static constexpr int GPW = 32 / TPR;                         // token groups per warp
+  static constexpr int EPT = VPT * VEC;                        // elements per lane
+  // Tokens per lane per pipeline stage: two amortize the loop when a lane
+  // holds one vector; the ring stays within RING_BYTES either way.
+  static constexpr int UNROLL = VPT == 1 ? 2 : 1;
   static_assert(HEAD_DIM % VEC == 0 && NVEC % TPR == 0, "head_dim must be a multiple of 16 bytes");
   // Lane li of a group holds elements [v*TPR*VEC + li*VEC, +VEC) for v < VPT.
   __device__ __forceinline__ static int dim(int li, int v) { return v * TPR * VEC + li * VEC; }
+};
+
+// Resident CTAs per SM the register allocation must allow: 3 for small
+// groups (12 warps to hide latency); large groups need the registers.
+template <int HEADS>
+struct MinBlocks {
+  static constexpr int value = HEADS <= 4 ? 3 : 1;
 };
 
 // Element strides of a [num_pages, page_size, num_kv_heads, head_dim] cache
@@ -38,15 +53,13 @@ struct CacheStrides {
   long long page, token, head;
 };
 
-// Token-loop unroll: tokens per lane per pipeline stage.
-constexpr int UNROLL = 2;
 // K/V ring buffer budget per CTA: the stage count follows from it.
 constexpr int RING_BYTES = 32 * 1024;
 
-template <typename T, int HEAD_DIM>
+template <typename T, int HEAD_DIM, int HEADS>
 struct Pipeline {
-  using Map = RowMap<T, HEAD_DIM>;
-  static constexpr int STAGE_BYTES = UNROLL * Map::VPT * 2 * 16 * NUM_THREADS;
+  using Map = RowMap<T, HEAD_DIM, HEADS>;
+  static constexpr int STAGE_BYTES = Map::UNROLL * Map::VPT * 2 * 16 * NUM_THREADS;
   static constexpr int STAGES = RING_BYTES / STAGE_BYTES >= 4 ? 4 : RING_BYTES / STAGE_BYTES;
   static_assert(STAGES >= 2, "K/V ring needs at least two stages");
 };
@@ -55,13 +68,13 @@ struct Pipeline {
 // cross-warp combine buffers (used after it) are never live together.
 template <typename T, int HEAD_DIM, int HEADS>
 struct AttendScratch {
-  using Map = RowMap<T, HEAD_DIM>;
-  static constexpr int STAGES = Pipeline<T, HEAD_DIM>::STAGES;
+  using Map = RowMap<T, HEAD_DIM, HEADS>;
+  static constexpr int STAGES = Pipeline<T, HEAD_DIM, HEADS>::STAGES;
   int page_ids[PAGE_WINDOW];
   union {
     // [stage][u][vector][K or V][thread]: each lane reads back only what it
     // copied, and a warp's 32 lanes touch 512 contiguous bytes (no conflicts).
-    uint4 ring[STAGES][UNROLL][Map::VPT][2][NUM_THREADS];
+    uint4 ring[STAGES][Map::UNROLL][Map::VPT][2][NUM_THREADS];
     struct {
       float m[NUM_WARPS][HEADS];
       float l[NUM_WARPS][HEADS];
@@ -87,10 +100,11 @@ __device__ __forceinline__ void cta_attend(
     const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
     const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
     AttendScratch<T, HEAD_DIM, HEADS>& sm, Emit& emit) {
-  using Map = RowMap<T, HEAD_DIM>;
+  using Map = RowMap<T, HEAD_DIM, HEADS>;
   using S = Storage<T>;
   constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
-  constexpr int STAGES = Pipeline<T, HEAD_DIM>::STAGES;
+  constexpr int UNROLL = Map::UNROLL;
+  constexpr int STAGES = Pipeline<T, HEAD_DIM, HEADS>::STAGES;
   constexpr int TILE = NUM_WARPS * GPW * UNROLL;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -192,11 +206,15 @@ __device__ __forceinline__ void cta_attend(
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) m_new = fmaxf(m_new, s[u][h]);
         const float m_safe = m_new == neg_inf() ? 0.f : m_new;  // avoids -inf - -inf
-        const float alpha = fast_exp2(m[h] - m_safe);
-        m[h] = m_new;
-        l[h] *= alpha;
+        // The running max grows O(log n) times over n random tokens: rescale
+        // only when some lane of the warp saw it grow (a warp-uniform branch).
+        if (__any_sync(0xffffffffu, m_new > m[h])) {
+          const float alpha = fast_exp2(m[h] - m_safe);
+          l[h] *= alpha;
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) acc[h][e] *= alpha;
+          for (int e = 0; e < EPT; ++e) acc[h][e] *= alpha;
+        }
+        m[h] = m_new;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           p[u][h] = fast_exp2(s[u][h] - m_safe);

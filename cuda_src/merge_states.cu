@@ -18,7 +18,7 @@
 //   o_indptr [M + 1] int32, non-decreasing, o_indptr[M] <= N
 //   v_out    [M, num_heads, HEAD_DIM] OUT_T, strides (stride_o_row, stride_o_head, 1)
 //   lse_out  [M, num_heads] float32 contiguous, may be null
-#include "common.cuh"
+#include "merge.cuh"
 
 namespace cupaged {
 
@@ -36,29 +36,13 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_states(
   const int h = blockIdx.y * HEADS_PER_CTA + threadIdx.x / THREADS_PER_HEAD;
   const int d = (threadIdx.x % THREADS_PER_HEAD) * 4;
   if (h >= num_heads) return;
-  const int n0 = o_indptr[row], n1 = o_indptr[row + 1];
-
-  float m = neg_inf();
-  for (int n = n0; n < n1; ++n) m = fmaxf(m, lse[(long long)n * num_heads + h]);
-  const float m_safe = m == neg_inf() ? 0.f : m;
-  float denom = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int n = n0; n < n1; ++n) {
-    const long long nh = (long long)n * num_heads + h;
-    const float w = fast_exp2(lse[nh] - m_safe);
-    if (w > 0.f) {
-      const float4 x = *reinterpret_cast<const float4*>(v + nh * HEAD_DIM + d);
-      acc.x = fmaf(w, x.x, acc.x); acc.y = fmaf(w, x.y, acc.y);
-      acc.z = fmaf(w, x.z, acc.z); acc.w = fmaf(w, x.w, acc.w);
-      denom += w;
-    }
-  }
-  const float inv = denom > 0.f ? 1.f / denom : 0.f;
-  OUT_T* o = v_out + row * stride_o_row + h * stride_o_head + d;
-  Storage<OUT_T>::store(o, acc.x * inv); Storage<OUT_T>::store(o + 1, acc.y * inv);
-  Storage<OUT_T>::store(o + 2, acc.z * inv); Storage<OUT_T>::store(o + 3, acc.w * inv);
-  if (lse_out != nullptr && d == 0)
-    lse_out[(long long)row * num_heads + h] = denom > 0.f ? m_safe + fast_log2(denom) : neg_inf();
+  float4 o;
+  float lse_row;
+  merge_partials(v, lse, o_indptr[row], o_indptr[row + 1], num_heads, HEAD_DIM, h, d, o, lse_row);
+  OUT_T* out = v_out + row * stride_o_row + h * stride_o_head + d;
+  Storage<OUT_T>::store(out, o.x); Storage<OUT_T>::store(out + 1, o.y);
+  Storage<OUT_T>::store(out + 2, o.z); Storage<OUT_T>::store(out + 3, o.w);
+  if (lse_out != nullptr && d == 0) lse_out[(long long)row * num_heads + h] = lse_row;
 }
 
 }  // namespace cupaged

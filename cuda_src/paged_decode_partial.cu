@@ -1,9 +1,16 @@
-// paged_decode_partial<T, HEAD_DIM, HEADS>: split-KV paged-attention decode.
+// paged_decode_partial<T, HEAD_DIM, HEADS>: split-KV paged-attention decode,
+// merge fused in (one launch per decode step).
 //
-// Computes, for every chunk of the plan and every query head, the attention
-// of that head's query over the chunk's visible tokens: a partial output
-// normalized by the chunk's own softmax denominator, and its LSE in log2
-// units (scores are scaled by sm_scale * log2(e) and exponentiated with exp2).
+// For every chunk of the plan and every query head it attends the head's
+// query over the chunk's visible tokens: scores are scaled by
+// sm_scale * log2(e) and exponentiated with exp2, so LSEs are in log2 units.
+// A request with one chunk writes its normalized result straight to final_out
+// (and final_lse). A request with several chunks writes each chunk's partial
+// (normalized by the chunk's own softmax denominator, float32) and its LSE to
+// partial_v / partial_lse; the last of its CTAs to finish (an atomic ticket in
+// merge_counters after a device-wide fence) merges them into final_out with
+// the closed-form exp2/log2 rescale (merge.cuh) and resets its counter to 0.
+// Every output element is written by exactly one CTA.
 //
 // Grid: x = chunk (plan.num_chunks), y = kv_head * q_groups + q_group.
 // Block: NUM_THREADS (128) threads. One CTA reads each K/V element of its
@@ -19,25 +26,25 @@
 //   indices          [indptr[batch]] int32 physical page ids
 //   indptr           [batch + 1] int32;  last_page_len, first_page_offset [batch] int32
 //   chunk_request    [num_chunks] int32; o_indptr [batch + 1] int32
-//   partial_v        [num_chunks, num_qo_heads, HEAD_DIM] float32 contiguous
-//   partial_lse      [num_chunks, num_qo_heads] float32 contiguous
+//   partial_v        [num_chunks, num_qo_heads, HEAD_DIM] float32 contiguous (null if no request splits)
+//   partial_lse      [num_chunks, num_qo_heads] float32 contiguous (null if no request splits)
+//   merge_counters   [batch * gridDim.y] int32, all 0 before the launch and after it (null if no split)
 //   final_out        [batch, num_qo_heads, HEAD_DIM] T, strides (stride_o_batch, stride_o_head, 1)
 //   final_lse        [batch, num_qo_heads] float32 contiguous, may be null
-// When final_out is non-null the plan has exactly one chunk per request
-// (chunk == request, decided on the host) and the normalized result is
-// written straight to final_out/final_lse; partial_v/partial_lse are unused.
 //
 // Preconditions: the page table passed PageTable.validate() and every page id
 // is < num_pages (checked on the host); q, caches and strides are 16-byte
-// aligned; HEAD_DIM % (16 / sizeof(T)) == 0.
-// Edge behaviour: a chunk with no visible token (a zero-page request) writes
+// aligned; HEAD_DIM % (16 / sizeof(T)) == 0. One launch per plan at a time
+// (the workspace and counters belong to the plan).
+// Edge behaviour: a chunk with no visible token (a zero-page request) yields
 // zeros and LSE -inf.
 #include "attend.cuh"
+#include "merge.cuh"
 
 namespace cupaged {
 
 template <typename T, int HEAD_DIM, int HEADS>
-__global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_partial(
+__global__ void __launch_bounds__(NUM_THREADS, MinBlocks<HEADS>::value) paged_decode_partial(
     const T* __restrict__ q, long long stride_q_batch, long long stride_q_head,
     const T* __restrict__ k_cache, long long stride_k_page, long long stride_k_token, long long stride_k_head,
     const T* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
@@ -46,15 +53,17 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_partial(
     const int* __restrict__ chunk_request, const int* __restrict__ o_indptr,
     int pages_per_chunk, int page_size, int num_qo_heads, int group_size, int q_groups,
     float scale_log2,
-    float* __restrict__ partial_v, float* __restrict__ partial_lse,
+    float* __restrict__ partial_v, float* __restrict__ partial_lse, int* __restrict__ merge_counters,
     T* __restrict__ final_out, long long stride_o_batch, long long stride_o_head,
     float* __restrict__ final_lse) {
   __shared__ AttendScratch<T, HEAD_DIM, HEADS> sm;
+  __shared__ int is_last;
   const int chunk = blockIdx.x;
   const int kv_head = blockIdx.y / q_groups;
   const int head0 = kv_head * group_size + (blockIdx.y % q_groups) * HEADS;
   const int req = chunk_request[chunk];
-  const int j = chunk - o_indptr[req];
+  const int chunk0 = o_indptr[req], num_chunks = o_indptr[req + 1] - chunk0;
+  const int j = chunk - chunk0;
   const int page0 = indptr[req];
   const int pages = indptr[req + 1] - page0;
 
@@ -65,17 +74,38 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_partial(
   const T* q_cta = q + req * stride_q_batch + head0 * stride_q_head;
   const CacheStrides ks{stride_k_page, stride_k_token, stride_k_head};
   const CacheStrides vs{stride_v_page, stride_v_token, stride_v_head};
-  if (final_out != nullptr) {
-    EmitStrided<T> emit{final_out + req * stride_o_batch + head0 * stride_o_head, stride_o_head,
-                        final_lse == nullptr ? nullptr : final_lse + (long long)req * num_qo_heads + head0};
+  T* out = final_out + req * stride_o_batch + head0 * stride_o_head;
+  float* lse_out = final_lse == nullptr ? nullptr : final_lse + (long long)req * num_qo_heads + head0;
+  if (num_chunks == 1) {
+    EmitStrided<T> emit{out, stride_o_head, lse_out};
     cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
                                    indices + page0, page_size, slot_begin, slot_end, sm, emit);
-  } else {
-    const long long row = (long long)chunk * num_qo_heads + head0;
-    EmitStrided<float> emit{partial_v + row * HEAD_DIM, HEAD_DIM, partial_lse + row};
-    cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
-                                   indices + page0, page_size, slot_begin, slot_end, sm, emit);
+    return;
   }
+  const long long row = (long long)chunk * num_qo_heads + head0;
+  EmitStrided<float> emit{partial_v + row * HEAD_DIM, HEAD_DIM, partial_lse + row};
+  cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
+                                 indices + page0, page_size, slot_begin, slot_end, sm, emit);
+
+  // Release this CTA's partial, then take a ticket; the last one merges.
+  __threadfence();
+  __syncthreads();
+  int* counter = merge_counters + (long long)req * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // acquire: the other CTAs' partials are visible from here on
+  constexpr int D4 = HEAD_DIM / 4;
+  for (int item = threadIdx.x; item < HEADS * D4; item += NUM_THREADS) {
+    const int h = item / D4, d = (item % D4) * 4;
+    float4 o;
+    float lse_h;
+    merge_partials(partial_v, partial_lse, chunk0, chunk0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d,
+                   o, lse_h);
+    EmitStrided<T>{out, stride_o_head, lse_out}.value(h, d, o);
+    if (d == 0 && lse_out != nullptr) lse_out[h] = lse_h;
+  }
+  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
 
 }  // namespace cupaged

@@ -1,11 +1,13 @@
 """Dispatch: one decode call -> checks, then the v2, v1 or gather path.
 
-v2 launches the split-KV partial kernel, then the merge kernel **only when
-some request has more than one chunk** (``plan.needs_merge``). Otherwise each
-request's single chunk is its answer and the partial kernel writes it straight
-into ``out`` in the output dtype. The choice is made on the host from the plan:
-a kernel output is uninitialised memory, so a "skip" decided inside a kernel
-would leave garbage.
+v2 is one launch of the split-KV partial kernel. A request with one chunk is
+written straight into ``out``; a request with several chunks writes float32
+partials that the last of its CTAs merges (an atomic ticket, merge fused into
+the same launch). Whether any request splits is known on the host from the
+plan (``plan.needs_merge``): only then are the workspace and ticket counters
+allocated and passed. Every output element is written by exactly one CTA, so
+``out`` never keeps uninitialised memory. The standalone merge kernel
+(:func:`cupaged.merge_states`) is the reusable public half.
 """
 
 from __future__ import annotations
@@ -220,6 +222,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         from .gather import gather_decode
 
         gather_decode(q, k_cache, v_cache, table, scale, out, lse)
+    elif q.shape[0] == 0:
+        pass  # an empty batch has nothing to launch
     elif selection.method == "v1":
         _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse)
     else:
@@ -242,7 +246,8 @@ def _table_args(table: PageTable):
 
 
 class _PlanBuffers:
-    """Device copies of a plan's metadata and its merge workspace, made once per plan."""
+    """Device copies of a plan's metadata, its merge workspace and ticket
+    counters, made once per plan (the counters reset themselves in-kernel)."""
 
     def __init__(self, plan: DecodePlan):
         import cupy
@@ -252,14 +257,18 @@ class _PlanBuffers:
         if plan.needs_merge:
             self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
             self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
+            self.counters = cupy.zeros(plan.batch_size * plan.grid[1], dtype=cupy.int32)
+            self.merge_args = (self.partial_v, self.partial_lse, self.counters)
+        else:
+            self.merge_args = (_NULL, _NULL, _NULL)
 
 
 _plan_buffers: "weakref.WeakKeyDictionary[DecodePlan, _PlanBuffers]" = weakref.WeakKeyDictionary()
 
 
 def plan_buffers(plan: DecodePlan) -> _PlanBuffers:
-    """The plan's device buffers. The merge workspace is reused by every call
-    with this plan: do not run one plan on two streams at once."""
+    """The plan's device buffers. The workspace and counters are reused by
+    every call with this plan: do not run one plan on two streams at once."""
     buf = _plan_buffers.get(plan)
     if buf is None:
         buf = _plan_buffers[plan] = _PlanBuffers(plan)
@@ -269,28 +278,14 @@ def plan_buffers(plan: DecodePlan) -> _PlanBuffers:
 def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scale, out, lse):
     buf = plan_buffers(plan)
     kernel = _loader.get_kernel("partial", dtype, plan.head_dim, _configs.HEADS_PER_CTA.index(plan.heads_per_cta))
-    if plan.needs_merge:
-        partial = (buf.partial_v, buf.partial_lse, _NULL, np.int64(0), np.int64(0), _NULL)
-    else:
-        partial = (_NULL, _NULL, out, *_elem_strides(out, 2), _NULL if lse is None else lse)
     kernel(
         plan.grid, (_THREADS,),
         (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
          *_table_args(table), buf.chunk_request, buf.o_indptr,
          np.int32(plan.pages_per_chunk), np.int32(plan.page_size), np.int32(plan.num_qo_heads),
-         np.int32(plan.group_size), np.int32(plan.q_groups), np.float32(scale), *partial),
+         np.int32(plan.group_size), np.int32(plan.q_groups), np.float32(scale), *buf.merge_args,
+         out, *_elem_strides(out, 2), _NULL if lse is None else lse),
     )
-    if plan.needs_merge:
-        _launch_merge(buf.partial_v, buf.partial_lse, buf.o_indptr, plan.batch_size, out, lse)
-
-
-def _launch_merge(v, v_lse, o_indptr, rows: int, out, lse):
-    heads, head_dim = v.shape[1], v.shape[2]
-    heads_per_cta = _THREADS // (head_dim // 4)
-    kernel = _loader.get_kernel("merge", _configs.dtype_name(out.dtype), head_dim)
-    grid = (rows, -(-heads // heads_per_cta), 1)
-    kernel(grid, (_THREADS,), (v, v_lse, o_indptr, np.int32(heads), out, *_elem_strides(out, 2),
-                               _NULL if lse is None else lse))
 
 
 def _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse):

@@ -6,7 +6,8 @@ import numpy as np
 
 from . import _configs
 from ._device import require_gpu
-from .decode import _as_cupy, _launch_merge
+from . import _loader
+from .decode import _NULL, _THREADS, _as_cupy, _elem_strides
 
 
 def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = True):
@@ -64,3 +65,12 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
     if rows > 0 and v.shape[1] > 0:
         _launch_merge(v, lse, d_indptr, rows, v_out, lse_out)
     return v_out, lse_out
+
+
+def _launch_merge(v, v_lse, o_indptr, rows: int, out, lse):
+    heads, head_dim = v.shape[1], v.shape[2]
+    heads_per_cta = _THREADS // (head_dim // 4)
+    kernel = _loader.get_kernel("merge", _configs.dtype_name(out.dtype), head_dim)
+    grid = (rows, -(-heads // heads_per_cta), 1)
+    kernel(grid, (_THREADS,), (v, v_lse, o_indptr, np.int32(heads), out, *_elem_strides(out, 2),
+                               _NULL if lse is None else lse))

@@ -1,0 +1,144 @@
+"""Autotuner for the split size ``pages_per_chunk``.
+
+Enumerates the feasible chunk sizes (powers of two up to the longest request,
+plus the heuristic's choice so the default is measured too), times real v2
+launches under CUDA-graph replay (what a server sees; plain back-to-back
+launches of a small cell would time the Python host path instead), and caches
+the winner on disk per (device, dtype, head_dim, GQA group, page size,
+bucketed batch, bucketed context).
+
+The cache is a JSON file, ``$CUPAGED_CACHE_DIR/autotune.json`` (default
+``~/.cache/cupaged``); delete it to re-tune.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import _configs
+from .page_table import PageTable
+from .plan import DecodePlan, plan_decode
+
+ENV_CACHE_DIR = "CUPAGED_CACHE_DIR"
+
+
+def bucket(n: int) -> int:
+    """Next power of two >= n (the batch/context buckets of the cache key).
+
+    >>> [bucket(n) for n in (1, 3, 4, 1000, 1024)]
+    [1, 4, 4, 1024, 1024]
+    """
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def candidates(table: PageTable, heuristic: int) -> list[int]:
+    """Powers of two from 1 to the longest request's page count, plus ``heuristic``.
+
+    >>> from cupaged import PageTable
+    >>> candidates(PageTable.from_seq_lens([100, 40], 16), 3)
+    [1, 2, 3, 4, 7]
+    """
+    longest = max(1, int(table.request_pages.max(initial=1)))
+    sizes = {1 << i for i in range(longest.bit_length()) if 1 << i <= longest}
+    return sorted(sizes | {longest, int(heuristic)})
+
+
+def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: PageTable) -> str:
+    return "|".join(map(str, (device_name, _configs.dtype_name(dtype), head_dim, group_size, table.page_size,
+                              bucket(table.batch_size), bucket(int(table.seq_lens.max(initial=1))))))
+
+
+def _cache_path() -> Path:
+    return Path(os.environ.get(ENV_CACHE_DIR, Path.home() / ".cache" / "cupaged")) / "autotune.json"
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _store(key: str, value: int) -> None:
+    path = _cache_path()
+    cache = _load_cache()
+    cache[key] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: concurrent tuners never see half a file
+
+
+def graph_time_us(fn, launches: int = 20, reps: int = 5) -> float:
+    """Median GPU time of one ``fn()`` call under CUDA-graph replay (µs)."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn()  # warm-up outside capture: compiles, uploads tables and workspaces
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(launches):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(reps):
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / launches)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    key: str
+    best: int  # pages_per_chunk
+    heuristic: int
+    timings_us: dict  # pages_per_chunk -> µs per decode
+
+
+def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneResult:
+    """Times every candidate chunk size on these tensors and returns the best."""
+    import cupy
+
+    from .decode import decode
+
+    num_qo_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    heuristic = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype).pages_per_chunk
+    out = cupy.empty_like(q)
+    timings = {}
+    for c in candidates(table, heuristic):
+        plan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype, pages_per_chunk=c)
+        timings[c] = graph_time_us(lambda: decode(q, k_cache, v_cache, table, plan, method="v2", out=out))
+    best = min(timings, key=timings.get)
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table)
+    if store:
+        _store(key, best)
+    return TuneResult(key, best, heuristic, timings)
+
+
+def tuned_plan(q, k_cache, v_cache, table: PageTable) -> DecodePlan:
+    """A plan whose chunk size is the cached winner for this shape bucket,
+    tuning (and caching) first when the bucket has none."""
+    import cupy
+
+    num_qo_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table)
+    best = _load_cache().get(key)
+    if best is None:
+        best = tune(q, k_cache, v_cache, table).best
+    return plan_decode(table, num_qo_heads, num_kv_heads, head_dim, np.dtype(q.dtype), pages_per_chunk=int(best))
