@@ -60,7 +60,10 @@ def _host(x: Any, name: str) -> np.ndarray:
 
 
 def _f64(x: Any, name: str) -> np.ndarray:
-    return _host(x, name).astype(np.float64)
+    a = _host(x, name)
+    if a.dtype.itemsize < 4:  # 16-bit floats: NumPy widens to float32 far faster
+        a = a.astype(np.float32)  # than to float64, and the step is exact
+    return a.astype(np.float64)
 
 
 def _check_cache(cache: np.ndarray, name: str, table: Any) -> None:
@@ -137,14 +140,17 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None
     if t == 0:
         return np.zeros((hq, d)), np.full(hq, -np.inf)
     g = hq // hkv
-    kh = np.repeat(kk, g, axis=1)  # [T, Hq, D]: column h is kv head h // g
-    vh = np.repeat(vv, g, axis=1)
+    # [Hkv, g, D] @ [Hkv, D, T]: query head h = kv * g + j uses kv head kv;
+    # batched matmuls (BLAS) instead of repeating K/V per query head.
+    qg = q.reshape(hkv, g, d)
+    kt = kk.transpose(1, 2, 0)  # [Hkv, D, T] views: matmul handles the strides
+    vt = vv.transpose(1, 0, 2)  # [Hkv, T, D]
     # base-2 scores: log2(e) folded into the scale, like the kernels
-    s = np.einsum("hd,thd->ht", q, kh) * (scale * LOG2E)  # [Hq, T]
+    s = np.matmul(qg, kt).reshape(hq, t) * (scale * LOG2E)  # [Hq, T]
     m = s.max(axis=1, keepdims=True)
     p = np.exp2(s - m)
     denom = p.sum(axis=1)
-    out = np.einsum("ht,thd->hd", p, vh) / denom[:, None]
+    out = np.matmul(p.reshape(hkv, g, t), vt).reshape(hq, d) / denom[:, None]
     lse = m[:, 0] + np.log2(denom)
     return out, lse
 
