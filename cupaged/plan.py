@@ -39,6 +39,7 @@ __all__ = [
     "default_target_ctas",
     "num_chunks",
     "choose_pages_per_chunk",
+    "default_pages_per_chunk",
     "device_num_sms",
     "resolve_num_sms",
     "resolve_target_ctas",
@@ -48,8 +49,14 @@ __all__ = [
 
 #: Most query heads one CTA serves (its q-head group).
 MAX_HEADS_PER_CTA = 8
-#: Resident CTAs per SM the default target aims for.
-CTAS_PER_SM = 4
+#: The default chunk size (``default_pages_per_chunk``) searches with a light
+#: target of CTAS_PER_SM CTAs per SM, and with LONG_CTAS_PER_SM when that
+#: leaves chunks longer than LONG_CHUNK_TOKENS; chunks never drop below
+#: MIN_CHUNK_TOKENS. Calibrated on the H200 (docs/benchmarks/, autotune).
+CTAS_PER_SM = 1.875  # just under 2: a batch of exactly 2 CTAs/SM stays unsplit
+LONG_CTAS_PER_SM = 6
+MIN_CHUNK_TOKENS = 64
+LONG_CHUNK_TOKENS = 1024
 #: SM count used when neither the argument, a device nor the env var gives one
 #: (an NVIDIA H200 has 132 SMs).
 DEFAULT_NUM_SMS = 132
@@ -136,9 +143,9 @@ def default_target_ctas(num_sms: int) -> int:
     """Default CTA count to saturate a device: ``CTAS_PER_SM * num_sms``.
 
     >>> default_target_ctas(132)   # H200
-    528
+    247
     """
-    return CTAS_PER_SM * _positive_int(num_sms, "num_sms")
+    return max(1, int(CTAS_PER_SM * _positive_int(num_sms, "num_sms")))
 
 
 def _chunks_per_request(pages: np.ndarray, c: int) -> np.ndarray:
@@ -205,6 +212,48 @@ def choose_pages_per_chunk(request_pages: Any, ctas_per_chunk: int,
 # device / environment
 # --------------------------------------------------------------------------
 _SM_CACHE: dict[int, int] = {}
+
+
+def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: int,
+                            page_size: int) -> int:
+    """The default chunk size, calibrated by the autotuner on the H200.
+
+    1. ``c = choose_pages_per_chunk(pages, ctas_per_chunk, default_target_ctas(num_sms))``:
+       the largest chunk that still gives ~2 CTAs per SM. Small and medium
+       batches win with few, long-enough chunks: each CTA has a fixed cost
+       (query, page ids, pipeline fill, merge) that many tiny chunks multiply.
+    2. If that leaves chunks longer than ``LONG_CHUNK_TOKENS``, search again
+       with ``LONG_CTAS_PER_SM * num_sms`` (never below LONG_CHUNK_TOKENS per
+       chunk): long chunks balance better over SMs in several waves.
+    3. Never below ``MIN_CHUNK_TOKENS`` tokens per chunk (capped at the
+       longest request).
+    4. Even out the longest request's chunks at the same chunk count (a
+       search can return 255 of 256 pages, leaving a 1-page straggler).
+
+    Worked examples (132 SMs, page 16, 8 kv heads x 1 q group = 8 CTAs/chunk):
+
+    >>> default_pages_per_chunk([64], 8, 132, 16)           # batch 1, ctx 1024
+    4
+    >>> default_pages_per_chunk([2048] * 8, 8, 132, 16)     # batch 8, ctx 32768
+    158
+    >>> default_pages_per_chunk([256] * 128, 8, 132, 16)    # batch 128, ctx 4096: no split
+    256
+
+    Measured (fp16, 32q/8kv, D 128; µs under graph replay, heuristic vs best
+    of all powers of two): batch 1 ctx 1024: c=4 is the best (9.8); batch 8
+    ctx 32768: c=128 294 vs c=255 (old target) 364; batch 4 ctx 4096: c=32 29.0.
+    """
+    pages = _request_pages(request_pages)
+    per_chunk = _positive_int(ctas_per_chunk, "ctas_per_chunk")
+    sms = _positive_int(num_sms, "num_sms")
+    p = _positive_int(page_size, "page_size")
+    longest = max(1, int(pages.max(initial=1)))
+    c = choose_pages_per_chunk(pages, per_chunk, default_target_ctas(sms))
+    if c * p > LONG_CHUNK_TOKENS:
+        c_long = choose_pages_per_chunk(pages, per_chunk, LONG_CTAS_PER_SM * sms)
+        c = min(c, max(c_long, -(-LONG_CHUNK_TOKENS // p)))
+    c = min(max(c, -(-MIN_CHUNK_TOKENS // p)), longest)
+    return -(-longest // -(-longest // c))
 
 
 def device_num_sms() -> int | None:
@@ -405,10 +454,10 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     """Plan a split-KV decode of ``table``.
 
     ``pages_per_chunk``: given -> used as is (>= 1); else
-    :func:`choose_pages_per_chunk` with ``ctas_per_chunk = num_kv_heads *
-    q_groups`` and the target from :func:`resolve_target_ctas`
-    (argument > env ``CUPAGED_TARGET_CTAS`` > ``4 * num_sms``, where
-    ``num_sms`` is argument > CUDA device > env ``CUPAGED_NUM_SMS`` > 132).
+    with an explicit target (argument > env ``CUPAGED_TARGET_CTAS``) the plain
+    :func:`choose_pages_per_chunk` search with ``ctas_per_chunk =
+    num_kv_heads * q_groups``; otherwise :func:`default_pages_per_chunk`
+    (``num_sms``: argument > CUDA device > env ``CUPAGED_NUM_SMS`` > 132).
 
     Raises ValueError (naming the argument) for an empty batch, non-positive
     sizes, heads not
@@ -453,10 +502,12 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             f"the CUDA grid limit {MAX_GRID_YZ} (grid y); too many heads")
 
     target = resolve_target_ctas(target_ctas, num_sms)
-    if pages_per_chunk is None:
-        c = choose_pages_per_chunk(pages, grid_y, target)
-    else:
+    if pages_per_chunk is not None:
         c = pages_per_chunk
+    elif target_ctas is not None or _env_positive_int(ENV_TARGET_CTAS) is not None:
+        c = choose_pages_per_chunk(pages, grid_y, target)  # an explicit target: the plain search
+    else:
+        c = default_pages_per_chunk(pages, grid_y, resolve_num_sms(num_sms), page_size)
 
     req_chunks = _chunks_per_request(pages, c)
     n = int(req_chunks.sum())
