@@ -64,6 +64,42 @@ struct Pipeline {
   static_assert(STAGES >= 2, "K/V ring needs at least two stages");
 };
 
+// Per-warp softmax states of a CTA, staged in shared memory to be combined:
+// running max m and denominator l (base 2) and the unnormalized output.
+template <int WARPS, int HEADS, int HEAD_DIM>
+struct WarpStates {
+  float m[WARPS][HEADS];
+  float l[WARPS][HEADS];
+  float acc[WARPS][HEADS][HEAD_DIM];
+};
+
+// Combines the warps' states (thread per head and 4 dims) and emits the
+// normalized output and its log2 LSE. Call after a barrier that publishes st.
+template <int WARPS, int THREADS, int HEADS, int HEAD_DIM, typename Emit>
+__device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEAD_DIM>& st, Emit& emit) {
+  constexpr int D4 = HEAD_DIM / 4;
+  for (int item = threadIdx.x; item < HEADS * D4; item += THREADS) {
+    const int h = item / D4, d = (item % D4) * 4;
+    float m_max = neg_inf();
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m_max = fmaxf(m_max, st.m[w][h]);
+    const float m_safe = m_max == neg_inf() ? 0.f : m_max;
+    float denom = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float wgt = fast_exp2(st.m[w][h] - m_safe);
+      denom += st.l[w][h] * wgt;
+      const float4 a = *reinterpret_cast<const float4*>(&st.acc[w][h][d]);
+      o.x += a.x * wgt; o.y += a.y * wgt; o.z += a.z * wgt; o.w += a.w * wgt;
+    }
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
+    emit.value(h, d, o);
+    if (d == 0) emit.lse(h, denom > 0.f ? m_safe + fast_log2(denom) : neg_inf());
+  }
+}
+
 // Shared memory of one CTA. The K/V ring (used by the token loop) and the
 // cross-warp combine buffers (used after it) are never live together.
 template <typename T, int HEAD_DIM, int HEADS>
@@ -75,11 +111,7 @@ struct AttendScratch {
     // [stage][u][vector][K or V][thread]: each lane reads back only what it
     // copied, and a warp's 32 lanes touch 512 contiguous bytes (no conflicts).
     uint4 ring[STAGES][Map::UNROLL][Map::VPT][2][NUM_THREADS];
-    struct {
-      float m[NUM_WARPS][HEADS];
-      float l[NUM_WARPS][HEADS];
-      float acc[NUM_WARPS][HEADS][HEAD_DIM];
-    } combine;
+    WarpStates<NUM_WARPS, HEADS, HEAD_DIM> combine;
   };
 };
 
@@ -274,28 +306,7 @@ __device__ __forceinline__ void cta_attend(
   }
   __syncthreads();
 
-  // Combine the warps: thread per (head, 4 dims).
-  constexpr int D4 = HEAD_DIM / 4;
-  for (int item = tid; item < HEADS * D4; item += NUM_THREADS) {
-    const int h = item / D4, d = (item % D4) * 4;
-    float m_max = neg_inf();
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) m_max = fmaxf(m_max, sm.combine.m[w][h]);
-    const float m_safe = m_max == neg_inf() ? 0.f : m_max;
-    float denom = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < NUM_WARPS; ++w) {
-      const float wgt = fast_exp2(sm.combine.m[w][h] - m_safe);
-      denom += sm.combine.l[w][h] * wgt;
-      const float4 a = *reinterpret_cast<const float4*>(&sm.combine.acc[w][h][d]);
-      o.x += a.x * wgt; o.y += a.y * wgt; o.z += a.z * wgt; o.w += a.w * wgt;
-    }
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
-    o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-    emit.value(h, d, o);
-    if (d == 0) emit.lse(h, denom > 0.f ? m_safe + fast_log2(denom) : neg_inf());
-  }
+  emit_combined<NUM_WARPS, NUM_THREADS>(sm.combine, emit);
 }
 
 // Emits into a [rows, heads, HEAD_DIM] output of storage T with strides, and

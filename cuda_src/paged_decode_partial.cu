@@ -1,5 +1,7 @@
-// paged_decode_partial<T, HEAD_DIM, HEADS>: split-KV paged-attention decode,
-// merge fused in (one launch per decode step).
+// paged_decode_partial<T, HEAD_DIM, HEADS, CORE>: split-KV paged-attention
+// decode, merge fused in (one launch per decode step). CORE picks the
+// attention core: Core::SIMT (CUDA cores, any dtype, 128 threads, attend.cuh)
+// or Core::MMA (tensor cores, fp16/bf16, 64 threads, attend_mma.cuh).
 //
 // For every chunk of the plan and every query head it attends the head's
 // query over the chunk's visible tokens: scores are scaled by
@@ -13,7 +15,7 @@
 // Every output element is written by exactly one CTA.
 //
 // Grid: x = chunk (plan.num_chunks), y = kv_head * q_groups + q_group.
-// Block: NUM_THREADS (128) threads. One CTA reads each K/V element of its
+// Block: AttendCore<CORE>::THREADS threads. One CTA reads each K/V element of its
 // chunk once and uses it for the HEADS query heads
 //   kv_head * group_size + q_group * HEADS + [0, HEADS).
 // Chunk c belongs to request r = chunk_request[c] and is chunk
@@ -39,12 +41,42 @@
 // Edge behaviour: a chunk with no visible token (a zero-page request) yields
 // zeros and LSE -inf.
 #include "attend.cuh"
+#include "attend_mma.cuh"
 #include "merge.cuh"
 
 namespace cupaged {
 
+// Attention core of the partial kernel; mirrored by cupaged/_configs.py CORES.
+enum class Core { SIMT = 0, MMA = 1 };
+
+template <Core CORE, typename T, int HEAD_DIM, int HEADS>
+struct AttendCore;
+
 template <typename T, int HEAD_DIM, int HEADS>
-__global__ void __launch_bounds__(NUM_THREADS, MinBlocks<HEADS>::value) paged_decode_partial(
+struct AttendCore<Core::SIMT, T, HEAD_DIM, HEADS> {
+  static constexpr int THREADS = NUM_THREADS;
+  static constexpr int MIN_BLOCKS = MinBlocks<HEADS>::value;
+  using Scratch = AttendScratch<T, HEAD_DIM, HEADS>;
+  template <typename Emit, typename... Args>
+  __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
+    cta_attend<T, HEAD_DIM, HEADS>(args..., sm, emit);
+  }
+};
+
+template <typename T, int HEAD_DIM, int HEADS>
+struct AttendCore<Core::MMA, T, HEAD_DIM, HEADS> {
+  static constexpr int THREADS = MMA_THREADS;
+  static constexpr int MIN_BLOCKS = 1;
+  using Scratch = MmaScratch<T, HEAD_DIM, HEADS>;
+  template <typename Emit, typename... Args>
+  __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
+    cta_attend_mma<T, HEAD_DIM, HEADS>(args..., sm, emit);
+  }
+};
+
+template <typename T, int HEAD_DIM, int HEADS, Core CORE>
+__global__ void __launch_bounds__(AttendCore<CORE, T, HEAD_DIM, HEADS>::THREADS,
+                                  AttendCore<CORE, T, HEAD_DIM, HEADS>::MIN_BLOCKS) paged_decode_partial(
     const T* __restrict__ q, long long stride_q_batch, long long stride_q_head,
     const T* __restrict__ k_cache, long long stride_k_page, long long stride_k_token, long long stride_k_head,
     const T* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
@@ -56,7 +88,8 @@ __global__ void __launch_bounds__(NUM_THREADS, MinBlocks<HEADS>::value) paged_de
     float* __restrict__ partial_v, float* __restrict__ partial_lse, int* __restrict__ merge_counters,
     T* __restrict__ final_out, long long stride_o_batch, long long stride_o_head,
     float* __restrict__ final_lse) {
-  __shared__ AttendScratch<T, HEAD_DIM, HEADS> sm;
+  using Attn = AttendCore<CORE, T, HEAD_DIM, HEADS>;
+  __shared__ typename Attn::Scratch sm;
   __shared__ int is_last;
   const int chunk = blockIdx.x;
   const int kv_head = blockIdx.y / q_groups;
@@ -78,14 +111,14 @@ __global__ void __launch_bounds__(NUM_THREADS, MinBlocks<HEADS>::value) paged_de
   float* lse_out = final_lse == nullptr ? nullptr : final_lse + (long long)req * num_qo_heads + head0;
   if (num_chunks == 1) {
     EmitStrided<T> emit{out, stride_o_head, lse_out};
-    cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
-                                   indices + page0, page_size, slot_begin, slot_end, sm, emit);
+    Attn::run(sm, emit, q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head, indices + page0,
+              page_size, slot_begin, slot_end);
     return;
   }
   const long long row = (long long)chunk * num_qo_heads + head0;
   EmitStrided<float> emit{partial_v + row * HEAD_DIM, HEAD_DIM, partial_lse + row};
-  cta_attend<T, HEAD_DIM, HEADS>(q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head,
-                                 indices + page0, page_size, slot_begin, slot_end, sm, emit);
+  Attn::run(sm, emit, q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head, indices + page0,
+            page_size, slot_begin, slot_end);
 
   // Release this CTA's partial, then take a ticket; the last one merges.
   __threadfence();
@@ -96,7 +129,7 @@ __global__ void __launch_bounds__(NUM_THREADS, MinBlocks<HEADS>::value) paged_de
   if (!is_last) return;
   __threadfence();  // acquire: the other CTAs' partials are visible from here on
   constexpr int D4 = HEAD_DIM / 4;
-  for (int item = threadIdx.x; item < HEADS * D4; item += NUM_THREADS) {
+  for (int item = threadIdx.x; item < HEADS * D4; item += Attn::THREADS) {
     const int h = item / D4, d = (item % D4) * 4;
     float4 o;
     float lse_h;

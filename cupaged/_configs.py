@@ -21,6 +21,18 @@ HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 # the largest divisor of the GQA group size in this range).
 HEADS_PER_CTA: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 
+# Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
+# name -> (C++ enumerator, threads per CTA, dtypes, head dims it serves).
+# Tensor cores for 16-bit KV up to head_dim 128 (at 256 the accumulators no
+# longer fit in registers); CUDA cores for everything, float32 included (tf32
+# would break its 1e-5 tolerance). Dispatch prefers the first core listed in
+# CORE_PREFERENCE that serves the call (env CUPAGED_CORE overrides).
+CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
+    "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
+    "mma": ("cupaged::Core::MMA", 64, ("float16", "bfloat16"), (64, 128)),
+}
+CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
+
 # kernel family -> source file in cuda_src/
 SOURCES: dict[str, str] = {
     "partial": "paged_decode_partial.cu",
@@ -53,12 +65,39 @@ def name_expressions(family: str, dtype: str, head_dim: int) -> list[str]:
     """Template instances of one compiled module: (family, dtype, head_dim)."""
     t = DTYPES[dtype]
     if family == "partial":
-        return [f"cupaged::paged_decode_partial<{t}, {head_dim}, {h}>" for h in HEADS_PER_CTA]
+        return [f"cupaged::paged_decode_partial<{t}, {head_dim}, {h}, {core}>"
+                for core, _, dtypes, dims in CORES.values() if dtype in dtypes and head_dim in dims
+                for h in HEADS_PER_CTA]
     if family == "v1":
         return [f"cupaged::paged_decode_v1<{t}, {head_dim}>"]
     if family == "merge":  # dtype is the output dtype
         return [f"cupaged::merge_states<{t}, {head_dim}>"]
     raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
+
+
+def serves(core: str, dtype: str, head_dim: int) -> bool:
+    _, _, dtypes, dims = CORES[core]
+    return dtype in dtypes and head_dim in dims
+
+
+def choose_core(dtype: str, head_dim: int, requested: str | None = None) -> str:
+    """The partial kernel's core for (dtype, head_dim): ``requested`` when it
+    serves them (else ValueError), otherwise the first of CORE_PREFERENCE."""
+    if requested is not None:
+        if requested not in CORES:
+            raise ValueError(f"unknown core {requested!r}; known: {', '.join(CORES)}")
+        if not serves(requested, dtype, head_dim):
+            raise ValueError(f"core {requested!r} does not serve {dtype} with head_dim {head_dim}")
+        return requested
+    return next(c for c in CORE_PREFERENCE if serves(c, dtype, head_dim))
+
+
+def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> tuple[int, int]:
+    """(index into name_expressions("partial", ...), threads per CTA) of one instance."""
+    if not serves(core, dtype, head_dim):
+        raise ValueError(f"core {core!r} does not serve {dtype} with head_dim {head_dim}")
+    name = f"cupaged::paged_decode_partial<{DTYPES[dtype]}, {head_dim}, {heads_per_cta}, {CORES[core][0]}>"
+    return name_expressions("partial", dtype, head_dim).index(name), CORES[core][1]
 
 
 def all_modules() -> list[tuple[str, str, int]]:

@@ -27,6 +27,7 @@ from .plan import DecodePlan, plan_decode
 
 METHODS = ("auto", "v2", "v1", "gather")
 ENV_METHOD = "CUPAGED_DECODE"
+ENV_CORE = "CUPAGED_CORE"  # "mma" or "simt": pins the partial kernel's core (benchmarks)
 LOG2E = 1.0 / math.log(2.0)
 _NULL = np.uint64(0)  # a null pointer kernel argument
 _THREADS = 128  # NUM_THREADS / MERGE_THREADS in cuda_src
@@ -277,9 +278,11 @@ def plan_buffers(plan: DecodePlan) -> _PlanBuffers:
 
 def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scale, out, lse):
     buf = plan_buffers(plan)
-    kernel = _loader.get_kernel("partial", dtype, plan.head_dim, _configs.HEADS_PER_CTA.index(plan.heads_per_cta))
+    core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
+    index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, core)
+    kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
     kernel(
-        plan.grid, (_THREADS,),
+        plan.grid, (threads,),
         (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
          *_table_args(table), buf.chunk_request, buf.o_indptr,
          np.int32(plan.pages_per_chunk), np.int32(plan.page_size), np.int32(plan.num_qo_heads),

@@ -51,3 +51,23 @@ def test_unsupported_configs_list_what_is_supported():
         _configs.dtype_name("int8")
     with pytest.raises(ValueError, match="partial"):
         _configs.name_expressions("nope", "float16", 128)
+
+
+def test_core_choice_follows_the_table():
+    assert _configs.choose_core("float16", 128) == "mma"
+    assert _configs.choose_core("bfloat16", 64) == "mma"
+    assert _configs.choose_core("float16", 256) == "simt"  # accumulators would spill
+    assert _configs.choose_core("float32", 128) == "simt"
+    assert _configs.choose_core("float16", 128, "simt") == "simt"
+    with pytest.raises(ValueError, match="does not serve"):
+        _configs.choose_core("float32", 128, "mma")
+    with pytest.raises(ValueError, match="known"):
+        _configs.choose_core("float16", 128, "tensor")
+    # every (dtype, head_dim, heads, core) the dispatcher can ask for is compiled
+    for dtype in _configs.DTYPES:
+        for head_dim in _configs.HEAD_DIMS:
+            for core in _configs.CORES:
+                if _configs.serves(core, dtype, head_dim):
+                    for h in _configs.HEADS_PER_CTA:
+                        index, threads = _configs.partial_instance(dtype, head_dim, h, core)
+                        assert threads in (64, 128) and index >= 0

@@ -77,6 +77,19 @@ def test_v2_matches_reference(dtype, merged):
     check(out, lse, ref_out, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("core", ["mma", "simt"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_both_cores_match_reference(core, dtype, head_dim, monkeypatch):
+    monkeypatch.setenv("CUPAGED_CORE", core)
+    dev, table, host = batch(30, [*RAGGED_LENS, 0, 4099], head_dim=head_dim, dtype=dtype)
+    ref_out, ref_lse = reference.decode(*host, table)
+    for c in (1, 5, None):
+        plan = cupaged.plan_decode(table, 32, 8, head_dim, dtype, pages_per_chunk=c)
+        out, lse = run("v2", *dev, table, plan)
+        check(out, lse, ref_out, ref_lse, dtype)
+
+
 def test_single_chunk_and_merged_agree():
     dev, table, host = batch(2, RAGGED_LENS)
     a, _ = run("v2", *dev, table, cupaged.plan_decode(table, 32, 8, 128, np.float16, target_ctas=1))
