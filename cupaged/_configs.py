@@ -41,8 +41,15 @@ SOURCES: dict[str, str] = {
 }
 
 
+_NAMES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+          np.dtype(np.float32): "float32"}
+
+
 def dtype_name(dtype) -> str:
     """Canonical name of a KV/query dtype; ``ValueError`` when unsupported."""
+    name = _NAMES.get(dtype) if isinstance(dtype, np.dtype) else None  # the hot path: a dict hit
+    if name is not None:
+        return name
     try:
         dt = np.dtype(dtype)
     except TypeError:

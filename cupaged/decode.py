@@ -134,7 +134,7 @@ def default_method() -> str:
     return method
 
 
-def auto_method(batch_size: int, max_seq_len: int) -> Selection:
+def auto_method(table: PageTable) -> Selection:
     """What ``method="auto"`` picks for a batch the kernels can serve.
 
     v2 everywhere: the H200 microbenchmark (docs/benchmarks/) shows no cell
@@ -162,7 +162,7 @@ def _select(q, k_cache, v_cache, table: PageTable, method: str) -> Selection:
     if decline is not None:
         return Selection("gather", f"fallback from {method}: {decline}")
     if method == "auto":
-        return auto_method(table.batch_size, int(table.seq_lens.max(initial=0)))
+        return auto_method(table)
     return Selection(method, "requested")
 
 
@@ -231,26 +231,29 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         if plan is None:
             plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype)
         else:
-            _check_plan(plan, table, q, k_cache, dtype)
+            buf = _plan_buffers.get(plan)
+            if buf is None or buf.checked_table is None or buf.checked_table() is not table:
+                _check_plan(plan, table, q, k_cache, dtype)
+                plan_buffers(plan, dtype).checked_table = weakref.ref(table)
+            elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != buf.signature:
+                _check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
         _launch_v2(q, k_cache, v_cache, table, plan, dtype, scale, out, lse)
     return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------- launches
 def _elem_strides(a, ndim: int):
-    return tuple(np.int64(s // a.itemsize) for s in a.strides[:ndim])
-
-
-def _table_args(table: PageTable):
-    t = table.device()
-    return (t.indices, t.indptr, t.last_page_len, t.first_page_offset)
+    isz = a.itemsize
+    return tuple(np.int64(s // isz) for s in a.strides[:ndim])
 
 
 class _PlanBuffers:
-    """Device copies of a plan's metadata, its merge workspace and ticket
-    counters, made once per plan (the counters reset themselves in-kernel)."""
+    """Per-plan launch state, made on the plan's first launch: device copies of
+    its metadata, the merge workspace and ticket counters (they reset
+    themselves in-kernel), the kernel and its plan-constant arguments, and the
+    last table the plan was checked against (tables are immutable)."""
 
-    def __init__(self, plan: DecodePlan):
+    def __init__(self, plan: DecodePlan, dtype: str):
         import cupy
 
         self.chunk_request = cupy.asarray(plan.chunk_request, dtype=cupy.int32)
@@ -259,34 +262,39 @@ class _PlanBuffers:
             self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
             self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
             self.counters = cupy.zeros(plan.batch_size * plan.grid[1], dtype=cupy.int32)
-            self.merge_args = (self.partial_v, self.partial_lse, self.counters)
+            merge_args = (self.partial_v, self.partial_lse, self.counters)
         else:
-            self.merge_args = (_NULL, _NULL, _NULL)
+            merge_args = (_NULL, _NULL, _NULL)
+        self.core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
+        index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, self.core)
+        self.kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
+        self.block = (threads,)
+        self.plan_args = (self.chunk_request, self.o_indptr, np.int32(plan.pages_per_chunk),
+                          np.int32(plan.page_size), np.int32(plan.num_qo_heads), np.int32(plan.group_size),
+                          np.int32(plan.q_groups))
+        self.merge_args = merge_args
+        self.checked_table = None  # weakref to the last table that matched
+        self.signature = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, dtype)
 
 
 _plan_buffers: "weakref.WeakKeyDictionary[DecodePlan, _PlanBuffers]" = weakref.WeakKeyDictionary()
 
 
-def plan_buffers(plan: DecodePlan) -> _PlanBuffers:
-    """The plan's device buffers. The workspace and counters are reused by
-    every call with this plan: do not run one plan on two streams at once."""
+def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
+    """The plan's launch state. The workspace and counters are reused by every
+    call with this plan: do not run one plan on two streams at once."""
     buf = _plan_buffers.get(plan)
     if buf is None:
-        buf = _plan_buffers[plan] = _PlanBuffers(plan)
+        buf = _plan_buffers[plan] = _PlanBuffers(plan, dtype or _configs.dtype_name(plan.dtype))
     return buf
 
 
 def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scale, out, lse):
-    buf = plan_buffers(plan)
-    core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
-    index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, core)
-    kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
-    kernel(
-        plan.grid, (threads,),
+    buf = plan_buffers(plan, dtype)
+    buf.kernel(
+        plan.grid, buf.block,
         (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
-         *_table_args(table), buf.chunk_request, buf.o_indptr,
-         np.int32(plan.pages_per_chunk), np.int32(plan.page_size), np.int32(plan.num_qo_heads),
-         np.int32(plan.group_size), np.int32(plan.q_groups), np.float32(scale), *buf.merge_args,
+         *table.device(), *buf.plan_args, np.float32(scale), *buf.merge_args,
          out, *_elem_strides(out, 2), _NULL if lse is None else lse),
     )
 
@@ -299,7 +307,7 @@ def _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse):
     kernel(
         (batch, num_qo_heads, 1), (_THREADS,),
         (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
-         *_table_args(table), np.int32(table.page_size), np.int32(num_qo_heads),
+         *table.device(), np.int32(table.page_size), np.int32(num_qo_heads),
          np.int32(num_qo_heads // k_cache.shape[2]), np.float32(scale), out, *_elem_strides(out, 2),
          _NULL if lse is None else lse),
     )
