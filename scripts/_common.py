@@ -124,6 +124,16 @@ def free_gpu_memory() -> None:
     cupy.get_default_pinned_memory_pool().free_all_blocks()
 
 
+def sweep_axes(base: Mapping[str, tuple], args: Any, axes: Sequence[str]) -> dict:
+    """The sweep table ``base`` with every axis flag given on the command line
+    (``args.<axis>`` not None) replacing its axis."""
+    out = dict(base)
+    for axis in axes:
+        if getattr(args, axis) is not None:
+            out[axis] = tuple(getattr(args, axis))
+    return out
+
+
 # --------------------------------------------------------- batch layout (NumPy)
 
 

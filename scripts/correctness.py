@@ -186,11 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def sweep_axes(args: argparse.Namespace) -> dict:
     """The axes of the sweep: the default or --full table, axis flags win."""
-    axes = dict(FULL_SWEEP if args.full else DEFAULT_SWEEP)
-    for axis in AXES:
-        if getattr(args, axis) is not None:
-            axes[axis] = tuple(getattr(args, axis))
-    return axes
+    return _common.sweep_axes(FULL_SWEEP if args.full else DEFAULT_SWEEP, args, AXES)
 
 
 def configs(args: argparse.Namespace) -> list[Config]:

@@ -214,11 +214,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def sweep_axes(args: argparse.Namespace) -> dict:
-    axes = dict(QUICK_SWEEP if args.quick else DEFAULT_SWEEP)
-    for axis in AXES:
-        if getattr(args, axis) is not None:
-            axes[axis] = tuple(getattr(args, axis))
-    return axes
+    return _common.sweep_axes(QUICK_SWEEP if args.quick else DEFAULT_SWEEP, args, AXES)
 
 
 def cells(args: argparse.Namespace) -> list[dict]:
