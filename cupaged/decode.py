@@ -181,7 +181,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             must be ``< num_pages``.
         plan: a :class:`DecodePlan` from :func:`plan_decode` for this table
             and shapes, held across decode steps while ``plan.matches(table)``.
-            Built here when None (host cost every call).
+            Built here when None (host cost every call). A plan owns its merge
+            workspace: order the calls that share a plan on one stream.
         method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides), ``"v2"``,
             ``"v1"`` or ``"gather"``. A shape the kernels decline runs the
             gather path; :func:`select_method` says which path and why.
