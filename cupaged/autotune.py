@@ -50,6 +50,8 @@ def candidates(table: PageTable, heuristic: int) -> list[int]:
 
 
 def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: PageTable) -> str:
+    """Key of the on-disk cache: device, dtype, head_dim, GQA group, page size,
+    bucketed batch and bucketed longest request, joined by ``|``."""
     return "|".join(map(str, (device_name, _configs.dtype_name(dtype), head_dim, group_size, table.page_size,
                               bucket(table.batch_size), bucket(int(table.seq_lens.max(initial=1))))))
 
@@ -101,6 +103,9 @@ def graph_time_us(fn, launches: int = 20, reps: int = 5) -> float:
 
 @dataclass(frozen=True)
 class TuneResult:
+    """What :func:`tune` measured: the cache key, the winning and the
+    heuristic ``pages_per_chunk``, and µs per decode for every candidate."""
+
     key: str
     best: int  # pages_per_chunk
     heuristic: int

@@ -144,8 +144,18 @@ def auto_method(table: PageTable) -> Selection:
 
 
 def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto") -> Selection:
-    """The path ``decode`` takes for these arguments, and why. Runs the same
-    checks as ``decode`` (so it raises what ``decode`` would raise)."""
+    """The path ``decode`` takes for these arguments, and why.
+
+    Arguments as :func:`decode` (``plan`` is accepted so a call can be mirrored
+    verbatim; the choice does not depend on it). Runs the same host checks as
+    ``decode`` and raises what they raise (TypeError, ValueError,
+    PageTableError), without needing a launch.
+
+    Example::
+
+        sel = cupaged.select_method(q, k_cache, v_cache, table, method="v2")
+        sel.method, sel.reason   # e.g. ("gather", "fallback from v2: head_dim 96 has no kernel instance ...")
+    """
     q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     _check_inputs(q, k_cache, v_cache, table)
     return _select(q, k_cache, v_cache, table, method)
@@ -173,7 +183,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
 
     Args:
         q: ``[batch, num_qo_heads, head_dim]`` CuPy array, float16, bfloat16
-            (``ml_dtypes.bfloat16``) or float32; head_dim contiguous.
+            (``ml_dtypes.bfloat16``) or float32. The kernels need head_dim
+            contiguous and 16-byte aligned rows; otherwise the gather path runs.
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``
             (NHD) CuPy arrays of q's dtype. The page stride may exceed the
             page's size (a slice of a larger cache).

@@ -41,6 +41,7 @@ __all__ = ["PageTable", "DeviceTable", "build_page_table", "MAX_PAGE_SIZE"]
 
 MAX_PAGE_SIZE = 65536
 _INT32_MIN = int(np.iinfo(np.int32).min)
+_INT64_MAX = int(np.iinfo(np.int64).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Device segments start on 16-byte boundaries so a kernel may use vector loads.
 _DEVICE_ALIGN_ELEMS = 4
@@ -470,6 +471,12 @@ class PageTable:
                 lambda i: "a zero-length request needs first_page_offset == 0, "
                 f"got {int(off[i])}",
             ),
+            (
+                # checked before any int64 arithmetic on it can wrap
+                lens > _INT32_MAX * P,
+                lambda i: f"seq_len {int(lens[i])} needs more pages than int32 "
+                f"indptr can hold at page_size={P}",
+            ),
         ):
             i = _first(mask)
             if i >= 0:
@@ -563,6 +570,8 @@ def _build_page_table(
             ) from None
         if start < 0:
             raise PageTableError(f"request {i}: logical_start must be >= 0, got {start}")
+        if length > _INT64_MAX:
+            raise PageTableError(f"request {i}: length {length} does not fit int64 rope offsets")
         if length < start:
             raise PageTableError(
                 f"request {i}: length must be >= logical_start (visible length "
