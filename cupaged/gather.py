@@ -20,8 +20,9 @@ _index_cache: "weakref.WeakKeyDictionary[PageTable, tuple]" = weakref.WeakKeyDic
 
 def token_index(table: PageTable):
     """``(page [B, L], slot [B, L], valid [B, L])`` device arrays locating each
-    request's visible tokens (L = longest request, padding points at page 0 of
-    the first request's slot 0 and is masked). Computed once per table."""
+    request's visible tokens (L = longest request; padding points at physical
+    page 0, slot 0, and is masked and zeroed before use). Computed once per
+    table, on the device current at that first call."""
     cached = _index_cache.get(table)
     if cached is not None:
         return cached
