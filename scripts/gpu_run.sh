@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
-# steps: tests sanitize tune bench full profile (default: tests sanitize bench)
+# steps: tests sanitize tune bench full profile soak (default: tests sanitize bench)
 set -uo pipefail
 out=$1; shift
 steps=${*:-tests sanitize bench}
@@ -19,6 +19,7 @@ for s in $steps; do case $s in
   bench) run microbench 330 "$peer python3 scripts/microbench.py --out-dir $work/bench" ;;
   full) run correctness_full 400 "python3 scripts/correctness.py --full --csv $work/correctness_full.csv"
         run correctness_merge 200 "python3 scripts/correctness.py --force-merge --csv $work/correctness_merge.csv" ;;
+  soak) run soak 300 "python3 scripts/soak.py --backend gpu --json $work/soak.json" ;;
   profile) run ncu 150 "ncu --clock-control none -k regex:paged_decode_partial --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats python3 scripts/microbench.py --batch 8 --ctx 32768 --methods v2 --reps 1 --iters 4 --host-iters 1 --out-dir $work/prof" ;;
 esac; done
 tar czf "$out/results.tgz" -C "$work" .
