@@ -7,7 +7,24 @@ import functools
 
 @functools.lru_cache(maxsize=None)
 def has_gpu() -> bool:
-    """True when CuPy imports and the CUDA driver reports at least one device."""
+    """True when CuPy imports and the CUDA driver reports at least one device.
+
+    Never raises: no CuPy, no driver, a driver too old for CuPy's runtime, or
+    no device all give ``False``. The answer is computed on the first call and
+    cached for the life of the process (``functools.lru_cache``): a later
+    change of the machine's devices is not seen. :func:`cupaged.decode` and
+    :func:`cupaged.merge_states` raise :class:`~cupaged.errors.NoGPUError`
+    exactly when this is ``False``.
+
+    Returns:
+        ``bool``.
+
+    Example:
+
+    >>> import cupaged
+    >>> cupaged.has_gpu() in (True, False)
+    True
+    """
     try:
         import cupy
 

@@ -51,7 +51,15 @@ def candidates(table: PageTable, heuristic: int) -> list[int]:
 
 def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: PageTable) -> str:
     """Key of the on-disk cache: device, dtype, head_dim, GQA group, page size,
-    bucketed batch and bucketed longest request, joined by ``|``."""
+    bucketed batch and bucketed longest request, joined by ``|``.
+
+    Raises ``ValueError`` for a dtype other than float16, bfloat16 or float32.
+
+    >>> import numpy as np
+    >>> from cupaged import PageTable
+    >>> cache_key("NVIDIA H200", np.float16, 128, 4, PageTable.from_seq_lens([1000, 40], 16))
+    'NVIDIA H200|float16|128|4|16|2|1024'
+    """
     return "|".join(map(str, (device_name, _configs.dtype_name(dtype), head_dim, group_size, table.page_size,
                               bucket(table.batch_size), bucket(int(table.seq_lens.max(initial=1))))))
 
@@ -78,7 +86,37 @@ def _store(key: str, value: int) -> None:
 
 
 def graph_time_us(fn, launches: int = 20, reps: int = 5) -> float:
-    """Median GPU time of one ``fn()`` call under CUDA-graph replay (µs)."""
+    """Median GPU time of one ``fn()`` call under CUDA-graph replay, in µs.
+
+    On a fresh non-blocking stream (current while ``fn`` runs): one warm-up
+    call outside capture (compiles kernels, uploads tables and workspaces),
+    then ``launches`` calls captured into one CUDA graph; the graph is
+    replayed once untimed and then ``reps`` times between CUDA events. The
+    result is the median over the replays of (elapsed time / ``launches``).
+
+    Args:
+        fn: a callable of no arguments that enqueues GPU work on the current
+            stream and is capturable: no synchronization or host transfers,
+            and preallocated outputs (pass ``out=`` to ``decode``).
+        launches: calls captured per graph (default 20).
+        reps: timed replays (default 5).
+
+    Returns:
+        ``float``, microseconds per ``fn()`` call.
+
+    Raises:
+        Without a GPU, CuPy's ``cupy.cuda.runtime.CUDARuntimeError`` (e.g.
+        ``cudaErrorNoDevice`` or ``cudaErrorInsufficientDriver``) from its
+        first CUDA call: there is no check of its own, and no
+        ``NoGPUError``. Whatever ``fn`` raises, and CuPy's errors for work
+        that cannot be captured.
+
+    Example (needs a GPU)::
+
+        plan = cupaged.plan_decode(table, 32, 8, 128, "float16")
+        out = cupy.empty_like(q)
+        us = autotune.graph_time_us(lambda: cupaged.decode(q, k_cache, v_cache, table, plan, out=out))
+    """
     import cupy
 
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -103,8 +141,22 @@ def graph_time_us(fn, launches: int = 20, reps: int = 5) -> float:
 
 @dataclass(frozen=True)
 class TuneResult:
-    """What :func:`tune` measured: the cache key, the winning and the
-    heuristic ``pages_per_chunk``, and µs per decode for every candidate."""
+    """What :func:`tune` measured (a frozen dataclass).
+
+    Fields:
+
+    * ``key`` (``str``): the :func:`cache_key` of the tuned shape bucket.
+    * ``best`` (``int``): the fastest ``pages_per_chunk``.
+    * ``heuristic`` (``int``): the ``pages_per_chunk`` that
+      :func:`~cupaged.plan_decode` picks by default, for comparison.
+    * ``timings_us`` (``dict[int, float]``): µs per decode for every
+      candidate ``pages_per_chunk``.
+
+    Example (needs a GPU)::
+
+        result = autotune.tune(q, k_cache, v_cache, table, store=False)
+        result.timings_us[result.best] <= result.timings_us[result.heuristic]   # True
+    """
 
     key: str
     best: int  # pages_per_chunk
@@ -113,7 +165,46 @@ class TuneResult:
 
 
 def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneResult:
-    """Times every candidate chunk size on these tensors and returns the best."""
+    """Times every candidate chunk size on these tensors and returns the best.
+
+    Each candidate of :func:`candidates` (powers of two up to the longest
+    request's page count, that count, and the ``plan_decode`` default) gets a
+    ``plan_decode(..., pages_per_chunk=c)`` plan and is timed with
+    :func:`graph_time_us` (default ``launches``/``reps``) as
+    ``decode(q, k_cache, v_cache, table, plan, method="v2", out=out)``. Env
+    ``CUPAGED_CORE``, if set, pins the core being timed.
+
+    Only meaningful for shapes the kernels serve (head_dim 64, 128 or 256,
+    head_dim contiguous, 16-byte aligned): for any other shape ``decode``
+    silently runs the gather path, which ignores the chunk size, so every
+    timing would be gather's. Check with :func:`cupaged.select_method` first.
+
+    Args:
+        q: ``[B, Hq, D]`` CuPy array, float16, bfloat16 or float32.
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` (NHD) CuPy arrays
+            of q's dtype (as for :func:`cupaged.decode`).
+        table: the batch's :class:`~cupaged.PageTable` (``B >= 1``).
+        store: keyword-only, default True: write the winner under
+            :func:`cache_key` to ``$CUPAGED_CACHE_DIR/autotune.json``
+            (default ``~/.cache/cupaged/autotune.json``).
+
+    Returns:
+        A :class:`TuneResult`.
+
+    Raises:
+        Without a GPU, CuPy's ``cupy.cuda.runtime.CUDARuntimeError`` (e.g.
+        ``cudaErrorNoDevice``), not ``NoGPUError``: there is no GPU check of
+        its own. ``ValueError`` from ``plan_decode`` (empty batch, heads not
+        divisible, unsupported dtype, ...); what ``decode`` raises for bad
+        tensors (``TypeError``, ``ValueError``, ``PageTableError``);
+        ``OSError`` if the cache file cannot be written.
+
+    Example (needs a GPU)::
+
+        result = autotune.tune(q, k_cache, v_cache, table, store=False)
+        result.best, result.heuristic   # the fastest and the default pages_per_chunk
+        result.timings_us                # {pages_per_chunk: µs per decode}
+    """
     import cupy
 
     from .decode import decode
@@ -136,7 +227,33 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneRe
 
 def tuned_plan(q, k_cache, v_cache, table: PageTable) -> DecodePlan:
     """A plan whose chunk size is the cached winner for this shape bucket,
-    tuning (and caching) first when the bucket has none."""
+    tuning (and caching) first when the bucket has none.
+
+    Looks up :func:`cache_key` (device name, ``q.dtype``, ``D``,
+    ``Hq // Hkv``, page size, bucketed batch and longest request) in
+    ``$CUPAGED_CACHE_DIR/autotune.json`` (default
+    ``~/.cache/cupaged/autotune.json``; a missing or unreadable file counts as
+    empty); on a miss runs :func:`tune` with ``store=True``. Tables of one
+    bucket share the winner. Arguments as :func:`tune` (``q [B, Hq, D]``,
+    caches ``[num_pages, page_size, Hkv, D]`` CuPy arrays, the batch's
+    table); the same caveat holds: for shapes the kernels decline the tuned
+    timings are the gather path's.
+
+    Returns:
+        ``plan_decode(table, Hq, Hkv, D, q.dtype, pages_per_chunk=best)``:
+        a :class:`~cupaged.DecodePlan`, held while ``plan.matches(table)``
+        like any plan.
+
+    Raises:
+        Without a GPU, CuPy's ``cupy.cuda.runtime.CUDARuntimeError`` (from
+        the device-name lookup, before anything else), not ``NoGPUError``;
+        otherwise what :func:`tune` and ``plan_decode`` raise.
+
+    Example (needs a GPU)::
+
+        plan = autotune.tuned_plan(q, k_cache, v_cache, table)   # tunes once per bucket
+        out = cupaged.decode(q, k_cache, v_cache, table, plan)
+    """
     import cupy
 
     num_qo_heads, head_dim = q.shape[1], q.shape[2]

@@ -35,7 +35,26 @@ _THREADS = 128  # NUM_THREADS / MERGE_THREADS in cuda_src
 
 @dataclass(frozen=True)
 class Selection:
-    """The path a decode call takes and why (``select_method`` returns it)."""
+    """The path a decode call takes and why; :func:`select_method` returns it.
+
+    A frozen dataclass (compares by value, hashable).
+
+    Fields:
+        method: ``"v2"``, ``"v1"`` or ``"gather"`` (``"auto"`` is resolved,
+            never returned).
+        reason: a human-readable string: ``"requested"`` (that method was
+            asked for, by argument or env ``CUPAGED_DECODE``), ``"auto: ..."``
+            (what ``method="auto"`` picked), or ``"fallback from <method>:
+            <why>"`` when the kernels decline the tensors and the gather path
+            runs instead.
+
+    Example:
+
+    >>> import cupaged
+    >>> sel = cupaged.Selection("gather", "requested")
+    >>> sel.method, sel.reason
+    ('gather', 'requested')
+    """
 
     method: str  # "v2", "v1" or "gather"
     reason: str
@@ -144,17 +163,42 @@ def auto_method(table: PageTable) -> Selection:
 
 
 def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto") -> Selection:
-    """The path ``decode`` takes for these arguments, and why.
+    """The path :func:`decode` takes for these arguments, and why.
 
-    Arguments as :func:`decode` (``plan`` is accepted so a call can be mirrored
-    verbatim; the choice does not depend on it). Runs the same host checks as
-    ``decode`` and raises what they raise (TypeError, ValueError,
-    PageTableError), without needing a launch.
+    Launches nothing. Runs ``decode``'s input checks, but not its GPU check,
+    its ``out`` check or its plan checks.
 
-    Example::
+    Args:
+        q, k_cache, v_cache, table: as for :func:`decode`: ``q [B, Hq, D]``,
+            caches ``[num_pages, page_size, Hkv, D]`` (NHD) CuPy (or CUDA)
+            arrays of one dtype, and the batch's :class:`PageTable`.
+        plan: accepted so a ``decode`` call can be mirrored verbatim; unused
+            and unchecked (the choice does not depend on it).
+        method: ``"auto"`` (default; env ``CUPAGED_DECODE`` overrides it),
+            ``"v2"``, ``"v1"`` or ``"gather"``, as for ``decode``.
 
-        sel = cupaged.select_method(q, k_cache, v_cache, table, method="v2")
-        sel.method, sel.reason   # e.g. ("gather", "fallback from v2: head_dim 96 has no kernel instance ...")
+    Returns:
+        A :class:`Selection`. The kernels decline a head_dim other than 64,
+        128 or 256, a non-contiguous head_dim, and a base pointer or stride
+        that is not a multiple of 16 bytes; for those the result is
+        ``"gather"`` with the reason, e.g. ``"fallback from v2: head_dim 96
+        has no kernel instance (supported: (64, 128, 256))"``.
+
+    Raises:
+        TypeError (an input that is not a CuPy/CUDA array, NumPy arrays
+        included; ``table`` not a PageTable), ValueError (shapes, heads not
+        divisible, mixed or unsupported dtypes, devices, an unknown ``method``
+        or ``CUPAGED_DECODE``), PageTableError (a page id ``>= num_pages``).
+        It raises no NoGPUError of its own, but CuPy arrays need a GPU.
+
+    Example (needs a GPU)::
+
+        table = cupaged.PageTable.from_seq_lens([100], page_size=16)
+        k = cupy.zeros((7, 16, 2, 96), dtype=cupy.float16)  # head_dim 96: no kernel
+        q = cupy.zeros((1, 8, 96), dtype=cupy.float16)
+        sel = cupaged.select_method(q, k, k, table, method="v2")
+        sel.method   # "gather"
+        sel.reason   # "fallback from v2: head_dim 96 has no kernel instance (supported: (64, 128, 256))"
     """
     q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     _check_inputs(q, k_cache, v_cache, table)
@@ -182,7 +226,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     """Paged-attention decode: one query token per request against its paged KV.
 
     Args:
-        q: ``[batch, num_qo_heads, head_dim]`` CuPy array, float16, bfloat16
+        q: ``[batch, num_qo_heads, head_dim]`` CuPy array (or a CUDA array
+            via ``__cuda_array_interface__`` / DLPack), float16, bfloat16
             (``ml_dtypes.bfloat16``) or float32. The kernels need head_dim
             contiguous and 16-byte aligned rows; otherwise the gather path runs.
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``
@@ -194,9 +239,13 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             and shapes, held across decode steps while ``plan.matches(table)``.
             Built here when None (host cost every call). A plan owns its merge
             workspace: order the calls that share a plan on one stream.
-        method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides), ``"v2"``,
-            ``"v1"`` or ``"gather"``. A shape the kernels decline runs the
-            gather path; :func:`select_method` says which path and why.
+        method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides; else v2),
+            ``"v2"`` (split-KV, merge fused), ``"v1"`` (one CTA per request
+            and query head) or ``"gather"`` (CuPy + cuBLAS). The kernels
+            decline a head_dim other than 64/128/256, a non-contiguous
+            head_dim, or a pointer or stride not a multiple of 16 bytes; such
+            calls run the gather path, silently (:func:`select_method` says
+            which path and why). Env ``CUPAGED_CORE=mma|simt`` pins v2's core.
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
         out: optional output array (q's shape and dtype, head_dim contiguous).
         return_lse: also return the LSE, ``[batch, num_qo_heads]`` float32 in
@@ -205,17 +254,32 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     Returns:
         ``out`` (``[batch, num_qo_heads, head_dim]``, q's dtype), or
         ``(out, lse)`` with ``return_lse``. An empty request's output is zeros.
+        ``batch == 0`` launches nothing (pass no plan: :func:`plan_decode`
+        refuses an empty batch).
 
     Raises:
-        TypeError (not a CuPy array / PageTable), ValueError (shapes, dtypes,
-        heads not divisible, devices), PageTableError (page id out of range),
-        PlanMismatchError (a stale plan), NoGPUError.
+        TypeError (an input not a CuPy/CUDA array, ``table`` not a
+        PageTable), ValueError (shapes, heads not divisible, mixed or
+        unsupported dtypes, devices, a bad ``out``, an unknown ``method`` or
+        ``CUPAGED_DECODE``; an unknown ``CUPAGED_CORE``, or one that does
+        not serve the dtype and head_dim, read when a plan is first launched
+        on the v2 path), PageTableError (a page id ``>= num_pages``),
+        PlanMismatchError (a plan built for other heads, head_dim or dtype,
+        or a stale one: ``plan.matches(table)`` is false), NoGPUError (no
+        CUDA device; checked before anything else).
 
-    Example::
+    Example (needs a GPU)::
 
-        table = cupaged.PageTable.from_seq_lens([700, 33], page_size=16)
-        plan = cupaged.plan_decode(table, 32, 8, 128, "float16")
-        out = cupaged.decode(q, k_cache, v_cache, table, plan)
+        import cupy, numpy, cupaged
+
+        table = cupaged.PageTable.from_seq_lens([700, 33], page_size=16)  # 47 pages
+        k_cache = cupy.random.standard_normal((64, 16, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+        v_cache = cupy.random.standard_normal((64, 16, 8, 128), dtype=cupy.float32).astype(cupy.float16)
+        q = cupy.random.standard_normal((2, 32, 128), dtype=cupy.float32).astype(cupy.float16)
+        plan = cupaged.plan_decode(table, 32, 8, 128, numpy.float16)
+        out, lse = cupaged.decode(q, k_cache, v_cache, table, plan, return_lse=True)
+        # out: [2, 32, 128] float16; lse: [2, 32] float32, log2 units
+        ref, ref_lse = cupaged.reference.decode(q, k_cache, v_cache, table)  # float64 check
     """
     require_gpu("cupaged.decode")
     import cupy

@@ -35,12 +35,22 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
         Merges chain (lse_out is log2) and regroup associatively.
 
     Raises:
-        TypeError, ValueError (shapes, dtypes, head_dim without a kernel,
-        a malformed o_indptr), NoGPUError.
+        TypeError (``v`` or ``lse`` not a CuPy/CUDA array), ValueError
+        (shapes, dtypes, non-contiguous ``v``/``lse``, head_dim other than
+        64/128/256, an unsupported ``out_dtype``, ``o_indptr`` not a 1-D int32
+        array, or with ``validate`` one that is empty, does not start at 0,
+        decreases or ends beyond N), NoGPUError (no CUDA device; checked
+        first).
 
-    Example::
+    Example (needs a GPU)::
 
-        v_out, lse_out = cupaged.merge_states(v, lse, numpy.array([0, 2, 5], numpy.int32))
+        import cupy, numpy, cupaged
+
+        v = cupy.random.standard_normal((5, 8, 128), dtype=cupy.float32)
+        lse = cupy.random.standard_normal((5, 8), dtype=cupy.float32)       # log2 units
+        o_indptr = numpy.array([0, 2, 5], dtype=numpy.int32)               # rows 0..1 -> 0, 2..4 -> 1
+        v_out, lse_out = cupaged.merge_states(v, lse, o_indptr)            # [2, 8, 128], [2, 8]
+        ref_v, ref_lse = cupaged.reference.merge_states(v, lse, o_indptr)  # float64 check
     """
     require_gpu("cupaged.merge_states")
     import cupy

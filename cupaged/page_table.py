@@ -48,8 +48,27 @@ _DEVICE_ALIGN_ELEMS = 4
 
 
 class DeviceTable(NamedTuple):
-    """The four page-table arrays on the GPU: 1-D contiguous cupy int32 arrays
-    with the same shapes and values as the host arrays of a :class:`PageTable`."""
+    """The four page-table arrays on the GPU, as :meth:`PageTable.device`
+    returns them (a ``NamedTuple``; not built by hand).
+
+    Fields, each a 1-D contiguous CuPy int32 array with the same shape and
+    values as the host array of the :class:`PageTable` (``B`` requests):
+
+    * ``indices`` ``[indptr[-1]]``: physical page ids in token order.
+    * ``indptr`` ``[B+1]``: request ``i`` owns ``indices[indptr[i]:indptr[i+1]]``.
+    * ``last_page_len`` ``[B]``: entries used in each request's last page.
+    * ``first_page_offset`` ``[B]``: first visible entry of its first page.
+
+    The four are views of one device buffer, each starting on a 16-byte
+    boundary.
+
+    Example (needs a GPU)::
+
+        table = cupaged.PageTable.from_seq_lens([5, 8], page_size=4)
+        dev = table.device()              # uploaded once per device, then cached
+        dev.indptr.get().tolist()         # [0, 2, 4]
+        indices, indptr, last_page_len, first_page_offset = dev
+    """
 
     indices: Any
     indptr: Any
@@ -159,14 +178,48 @@ class PageTable:
     num_pages:
         If given, also :meth:`check_page_ids` against a cache of this many pages.
 
-    The stored arrays are read-only int32 NumPy copies. A request with pages
-    needs ``1 <= last_page_len <= page_size``, ``0 <= first_page_offset <
-    page_size`` and, with one page, ``first_page_offset < last_page_len``; a
-    request with zero pages (fully trimmed, ``seq_len`` 0) needs
-    ``first_page_offset == 0`` and ``0 <= last_page_len <= page_size``.
+    The stored arrays (attributes ``indices``, ``indptr``, ``last_page_len``,
+    ``first_page_offset``, plus ``page_size``) are read-only int32 NumPy
+    copies. A table is immutable and checked once, at construction. Rules: a
+    request with pages needs ``1 <= last_page_len <= page_size``, ``0 <=
+    first_page_offset < page_size`` and, with one page, ``first_page_offset <
+    last_page_len``; a request with zero pages (fully trimmed, ``seq_len`` 0)
+    needs ``first_page_offset == 0`` and ``0 <= last_page_len <= page_size``;
+    page ids are ``>= 0``.
 
-    Example: pages of 4, one request reading tokens 2..9 of pages ``[7, 3, 5]``:
-    ``PageTable([7, 3, 5], [0, 3], [2], [2], page_size=4).seq_lens == [8]``.
+    Properties: ``batch_size`` (``B``), ``request_pages`` (int32 ``[B]``),
+    ``seq_lens`` (int64 ``[B]``, visible tokens), ``max_page_id`` (-1 when
+    there are no pages). Methods: :meth:`validate`, :meth:`check_page_ids`,
+    :meth:`device` (the CuPy copy the kernels read; needs a GPU) and the
+    constructor :meth:`from_seq_lens`.
+
+    Raises
+    ------
+    PageTableError
+        (a ``ValueError``) naming the request and the rule: a NumPy/CuPy
+        array that is not int32 or not 1-D, a Python value that is not an
+        integer or does not fit int32, ``indptr`` not starting at 0,
+        decreasing or not ending at ``len(indices)``, ``last_page_len`` or
+        ``first_page_offset`` not ``B`` long, a geometry rule above broken, a
+        negative page id, ``page_size`` not an int in ``1..65536``, or (with
+        ``num_pages``) a page id ``>= num_pages``.
+
+    Example: pages of 4, one request reading tokens 2..9 of pages ``[7, 3, 5]``
+    (entries 2..3 of page 7, all of page 3, entries 0..1 of page 5):
+
+    >>> import cupaged
+    >>> t = cupaged.PageTable([7, 3, 5], [0, 3], [2], [2], page_size=4)
+    >>> t.batch_size, t.seq_lens.tolist(), t.max_page_id
+    (1, [8], 7)
+    >>> t.check_page_ids(8)           # a cache of 8 pages holds every id
+    >>> t.check_page_ids(6)
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.PageTableError: request 0: page id 7 at indices[0] is out of range for a cache of num_pages=6
+    >>> cupaged.PageTable([0], [0, 1], [5], page_size=4)
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.PageTableError: request 0: last_page_len must be in [1, page_size=4] for a request with pages, got 5
     """
 
     __slots__ = (
@@ -444,8 +497,20 @@ class PageTable:
         order from ``page_ids`` (any integer array/sequence with at least as
         many ids as pages in total) or ``0, 1, 2, ...``.
 
-        Example: ``from_seq_lens([5, 8, 0], 4, [3, 0, 0])`` gives ``indptr
-        [0, 2, 4, 4]``, ``last_page_len [4, 4, 0]``.
+        Raises :class:`PageTableError` for a negative length, an offset
+        outside ``[0, P)``, a zero-length request with a nonzero offset,
+        non-integer input, mismatched lengths, too few ``page_ids`` or one
+        outside ``[0, 2**31 - 1]``, totals beyond int32, or ``page_size`` not
+        an int in ``1..65536``.
+
+        Example:
+
+        >>> import cupaged
+        >>> t = cupaged.PageTable.from_seq_lens([5, 8, 0], 4, [3, 0, 0])
+        >>> t.indptr.tolist(), t.last_page_len.tolist(), t.seq_lens.tolist()
+        ([0, 2, 4, 4], [4, 4, 0], [5, 8, 0])
+        >>> cupaged.PageTable.from_seq_lens([5], 4, page_ids=[9, 2]).indices.tolist()
+        [9, 2]
         """
         P = _check_page_size(page_size)
         lens = _as_int64("seq_lens", seq_lens)
@@ -542,8 +607,26 @@ def build_page_table(
     ``length`` (the absolute position of the next token, which differs from
     the visible length exactly when the front was trimmed).
 
-    Example (P = 4): ``pages=(9, 2), logical_start=3, length=7`` gives
-    ``first_page_offset 3, last_page_len 3, seq_len 4, rope_offset 7``.
+    Raises :class:`PageTableError` naming the request: ``logical_start`` or
+    ``length`` not an int, ``logical_start < 0``, ``length < logical_start``,
+    ``length`` beyond int64, ``len(.pages)`` not the count above, a block id
+    that is not an int (or a ``resolve`` result that is not), a block id
+    outside the ``resolve`` array, a page id negative or beyond int32, total
+    pages beyond int32, or ``page_size`` not an int in ``1..65536``.
+
+    Example (P = 4): tokens 3..6 of blocks 9 and 2:
+
+    >>> from types import SimpleNamespace
+    >>> import cupaged
+    >>> s = SimpleNamespace(pages=(9, 2), logical_start=3, length=7)
+    >>> table, rope = cupaged.build_page_table([s], page_size=4)
+    >>> table.first_page_offset.tolist(), table.last_page_len.tolist(), table.seq_lens.tolist(), rope.tolist()
+    ([3], [3], [4], [7])
+    >>> bad = SimpleNamespace(pages=(9,), logical_start=3, length=7)
+    >>> cupaged.build_page_table([bad], page_size=4)
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.PageTableError: request 0: has 1 pages but logical_start=3, length=7, page_size=4 need 2
     """
     return _build_page_table(states, page_size, resolve, check_ints=True)
 

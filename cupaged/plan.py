@@ -363,6 +363,31 @@ class DecodePlan:
     * ``needs_merge``: some request has more than one chunk.
     * ``workspace_bytes``: float32 partial outputs ``[num_chunks, Hq, D]`` plus
       partial LSEs ``[num_chunks, Hq]`` when ``needs_merge``, else 0.
+
+    Methods: :meth:`matches` (can this plan serve a new table?),
+    :meth:`chunk_page_ranges` and :meth:`chunk_token_ranges` (each chunk's
+    pages and tokens); the two range methods raise
+    :class:`~cupaged.errors.PlanMismatchError` when ``matches(table)`` is
+    false.
+
+    Example: 700 and 33 tokens at page size 16 are 44 and 3 pages; 4 pages
+    per chunk give 11 + 1 chunks, one CTA per (chunk, KV head):
+
+    >>> import numpy as np
+    >>> import cupaged
+    >>> table = cupaged.PageTable.from_seq_lens([700, 33], page_size=16)
+    >>> plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=4)
+    >>> plan.num_chunks, plan.grid, plan.needs_merge, plan.o_indptr.tolist()
+    (12, (12, 8, 1), True, [0, 11, 12])
+    >>> start, end = plan.chunk_token_ranges(table)   # 64 tokens per chunk
+    >>> start[:3].tolist(), end[-2:].tolist()
+    ([0, 64, 128], [700, 33])
+    >>> plan.matches(cupaged.PageTable.from_seq_lens([701, 33], 16))  # next step: reuse it
+    True
+    >>> plan.chunk_page_ranges(cupaged.PageTable.from_seq_lens([705, 33], 16))  # 45 pages: 12 chunks
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.PlanMismatchError: plan does not match the page table (batch size, page size or a request's chunk count changed); build a new plan
     """
 
     batch_size: int
@@ -410,7 +435,10 @@ class DecodePlan:
     def chunk_page_ranges(self, table: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(start, end)`` int64 ``[num_chunks]``: each chunk's slice of
         ``table.indices`` (absolute CSR positions).  A zero-page request's
-        chunk is the empty range ``[indptr[i], indptr[i])``."""
+        chunk is the empty range ``[indptr[i], indptr[i])``.
+
+        Raises :class:`~cupaged.errors.PlanMismatchError` when
+        ``self.matches(table)`` is false."""
         self._check_table(table)
         indptr = np.asarray(table.indptr, dtype=np.int64)
         req = self.chunk_request.astype(np.int64)
@@ -426,7 +454,10 @@ class DecodePlan:
         each chunk, measured from the first visible token of its request
         (which sits at entry ``first_page_offset[i]`` of the first page).
         Per request the ranges tile ``[0, seq_len_i)`` in order; a zero-page
-        request's chunk is ``[0, 0)``."""
+        request's chunk is ``[0, 0)``.
+
+        Raises :class:`~cupaged.errors.PlanMismatchError` when
+        ``self.matches(table)`` is false."""
         self._check_table(table)
         P = self.page_size
         req = self.chunk_request.astype(np.int64)
@@ -451,18 +482,65 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
                 head_dim: int, dtype: Any, *, pages_per_chunk: int | None = None,
                 target_ctas: int | None = None,
                 num_sms: int | None = None) -> DecodePlan:
-    """Plan a split-KV decode of ``table``.
+    """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
 
-    ``pages_per_chunk``: given -> used as is (>= 1); else
-    with an explicit target (argument > env ``CUPAGED_TARGET_CTAS``) the plain
-    :func:`choose_pages_per_chunk` search with ``ctas_per_chunk =
-    num_kv_heads * q_groups``; otherwise :func:`default_pages_per_chunk`
-    (``num_sms``: argument > CUDA device > env ``CUPAGED_NUM_SMS`` > 132).
+    One CTA per (chunk, KV head, q-head group); a chunk is at most
+    ``pages_per_chunk`` consecutive pages of one request, and every request
+    gets at least one chunk.
 
-    Raises ValueError (naming the argument) for an empty batch, non-positive
-    sizes, heads not
-    divisible, ``head_dim`` not a positive multiple of 8, unsupported dtype,
-    ``pages_per_chunk < 1``, or a grid beyond CUDA's limits.
+    Args:
+        table: the batch's :class:`~cupaged.PageTable` (``B >= 1``).
+        num_qo_heads, num_kv_heads: ``Hq`` and ``Hkv``, positive ints with
+            ``Hq`` a multiple of ``Hkv``.
+        head_dim: ``D``, a positive multiple of 8. The kernels only have
+            instances for 64, 128 and 256: another multiple of 8 is planned
+            without complaint, but ``decode`` then runs the gather path, which
+            ignores the plan (:func:`~cupaged.select_method` says so).
+        dtype: the KV dtype, anything ``numpy.dtype`` accepts that is
+            float16, float32 or bfloat16 (``"float16"``, ``np.float16``,
+            ``ml_dtypes.bfloat16``).
+        pages_per_chunk: keyword-only; used as given (``>= 1``). When None:
+            with an explicit target (``target_ctas``, else env
+            ``CUPAGED_TARGET_CTAS``) the largest chunk giving at least that
+            many CTAs (:func:`choose_pages_per_chunk` with ``ctas_per_chunk =
+            num_kv_heads * q_groups``); otherwise the calibrated default
+            :func:`default_pages_per_chunk`.
+        target_ctas: keyword-only CTA target (default None).
+        num_sms: keyword-only SM count for the default (default None: the
+            current CUDA device's, else env ``CUPAGED_NUM_SMS``, else 132).
+
+    Environment variables are read at call time; an empty value counts as
+    unset.
+
+    Returns:
+        A :class:`DecodePlan`. Hold it across decode steps while
+        ``plan.matches(table)``.
+
+    Raises:
+        ValueError naming the argument: an empty batch (``B == 0``); a size
+        (heads, ``head_dim``, ``pages_per_chunk``, ``target_ctas``,
+        ``num_sms``) that is not a positive integer; ``num_qo_heads`` not a
+        multiple of ``num_kv_heads``; ``head_dim`` not a multiple of 8; an
+        unsupported dtype; a grid beyond CUDA's limits; a malformed (not a
+        positive integer) env ``CUPAGED_TARGET_CTAS``, read whenever
+        ``target_ctas`` is None (even with ``pages_per_chunk`` given), or
+        ``CUPAGED_NUM_SMS``, read only when neither ``num_sms``, a CTA target
+        (argument or env) nor a visible CUDA device gives the SM count.
+
+    Example: 44 and 3 pages, 8 KV heads with 4 query heads each (one q-head
+    group: 8 CTAs per chunk); a target of 96 CTAs needs 12 chunks, so 4 pages
+    per chunk (5 would give 10):
+
+    >>> import numpy as np
+    >>> import cupaged
+    >>> table = cupaged.PageTable.from_seq_lens([700, 33], page_size=16)
+    >>> plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, target_ctas=96)
+    >>> plan.pages_per_chunk, plan.num_chunks, plan.num_ctas, plan.request_chunks.tolist()
+    (4, 12, 96, [11, 1])
+    >>> cupaged.plan_decode(table, 32, 8, 100, np.float16)
+    Traceback (most recent call last):
+        ...
+    ValueError: head_dim must be a positive multiple of 8, got 100
     """
     hq = _positive_int(num_qo_heads, "num_qo_heads")
     hkv = _positive_int(num_kv_heads, "num_kv_heads")

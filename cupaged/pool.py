@@ -38,13 +38,35 @@ __all__ = ["SequenceState", "PageCopy", "BlockPool", "apply_page_copies"]
 
 @dataclass(frozen=True)
 class SequenceState:
-    """One sequence's view of the pool (immutable; the pool replaces it).
+    """One sequence's view of the pool, as :meth:`BlockPool.sequence` returns
+    it (a frozen dataclass; the pool replaces it on every change).
 
-    pages:         physical page ids in token order; ``pages[0]`` holds token
-                   ``logical_start`` (empty when nothing is visible).
-    logical_start: absolute position of the first visible token.
-    length:        written length = absolute position of the next token
-                   (the RoPE offset); ``length - logical_start`` is visible.
+    Fields:
+
+    * ``pages`` (``tuple[int, ...]``): physical page ids in token order;
+      ``pages[0]`` holds token ``logical_start`` (empty when nothing is
+      visible).
+    * ``logical_start`` (``int``): absolute position of the first visible
+      token.
+    * ``length`` (``int``): written length = absolute position of the next
+      token (the RoPE offset); ``length - logical_start`` tokens are visible.
+
+    Any object with these three attributes can be fed to
+    :func:`~cupaged.build_page_table`.
+
+    Example (page size 4):
+
+    >>> import cupaged
+    >>> pool = cupaged.BlockPool(num_pages=8, page_size=4)
+    >>> s = pool.add_sequence()
+    >>> pool.append(s, 6)
+    (0, 1)
+    >>> pool.sequence(s)
+    SequenceState(pages=(0, 1), logical_start=0, length=6)
+    >>> pool.trim_front(s, 5)         # token 5 is left, on page 1
+    (0,)
+    >>> pool.sequence(s)
+    SequenceState(pages=(1,), logical_start=5, length=6)
     """
 
     pages: tuple[int, ...]
@@ -54,7 +76,23 @@ class SequenceState:
 
 @dataclass(frozen=True)
 class PageCopy:
-    """Instruction to copy KV page ``src`` onto page ``dst`` in every cache."""
+    """Instruction to copy KV page ``src`` onto page ``dst`` in every cache
+    (a frozen dataclass; :meth:`BlockPool.fork` returns them and
+    :func:`apply_page_copies` applies them).
+
+    Fields: ``src`` (``int``), the page to read; ``dst`` (``int``), the page
+    to overwrite. Both are physical page ids (first index of a cache).
+
+    Example:
+
+    >>> import cupaged
+    >>> pool = cupaged.BlockPool(num_pages=8, page_size=4)
+    >>> a = pool.add_sequence()
+    >>> pool.append(a, 6)             # page 1 is partial (2 of 4 entries)
+    (0, 1)
+    >>> pool.fork(a)                  # child 1 gets page 2, a copy of page 1
+    (1, (PageCopy(src=1, dst=2),))
+    """
 
     src: int
     dst: int
@@ -83,17 +121,53 @@ def _pages_for(logical_start: int, length: int, page_size: int) -> int:
 
 class BlockPool:
     """Refcounted pages of a paged KV cache of ``num_pages`` pages of
-    ``page_size`` tokens (host bookkeeping only).
+    ``page_size`` tokens (host bookkeeping only: it never touches the caches).
 
-    Example (P = 4)::
+    A free list (lowest page id first), a refcount per page and a
+    :class:`SequenceState` per sequence. Positions are absolute: token ``t``
+    lives in block ``t // page_size`` at entry ``t % page_size``.
 
-        pool = BlockPool(8, 4)
-        a = pool.add_sequence()           # 0
-        pool.append(a, 6)                 # (0, 1): tokens 0..3, 4..5
-        b, copies = pool.fork(a)          # b shares page 0; page 1 is partial,
-                                          # so b gets page 2 and copies == (PageCopy(1, 2),)
-        pool.trim_front(a, 4)             # a drops page 0 (still held by b)
-        table, rope = pool.page_table([a, b])   # rope == [6, 6]
+    Args:
+        num_pages: pages in the KV cache (its first dimension), ``>= 0``.
+        page_size: tokens per page, ``1..65536`` (the cache's second
+            dimension and the :class:`PageTable`'s ``page_size``).
+
+    Properties: ``num_pages``, ``page_size``, ``num_free``, ``seq_ids`` (live
+    ids, in insertion order). Methods: :meth:`refcount`, :meth:`sequence`,
+    :meth:`add_sequence`, :meth:`append`, :meth:`fork`, :meth:`trim_front`,
+    :meth:`apply_window`, :meth:`free`, :meth:`page_table`.
+
+    Raises:
+        OutOfPagesError (a ``MemoryError``): ``append`` or ``fork`` needs more
+        free pages than there are. KeyError: an unknown sequence id.
+        ValueError: a count (``num_pages``, ``n_tokens``, ``window``) or page
+        id that is negative or not an int; a new sequence id that is not an
+        int or already exists; trimming more tokens than are visible; a page
+        id ``>= num_pages`` given to ``refcount``; ``page_size`` outside
+        ``1..65536``. Every operation checks before it changes anything, so a
+        failed one leaves the pool exactly as it was.
+
+    Example (page size 4):
+
+    >>> import cupaged
+    >>> pool = cupaged.BlockPool(num_pages=8, page_size=4)
+    >>> a = pool.add_sequence()
+    >>> pool.append(a, 6)             # tokens 0..3 on page 0, 4..5 on page 1
+    (0, 1)
+    >>> b, copies = pool.fork(a)      # b shares page 0; partial page 1 is copied
+    >>> b, copies                     # to page 2: apply it to the caches now
+    (1, (PageCopy(src=1, dst=2),))
+    >>> pool.trim_front(a, 4)         # a drops page 0 (b still holds it)
+    (0,)
+    >>> table, rope = pool.page_table([a, b])
+    >>> table.seq_lens.tolist(), rope.tolist()
+    ([2, 6], [6, 6])
+    >>> pool.append(a, 100)
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.OutOfPagesError: out of KV pages appending 100 tokens to sequence 0: need 25, 5 of 8 free
+    >>> pool.num_free                 # the failed append changed nothing
+    5
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
@@ -150,7 +224,11 @@ class BlockPool:
     def append(self, seq_id: int, n_tokens: int) -> tuple[int, ...]:
         """Grow ``seq_id`` by ``n_tokens`` written tokens; return the ids of
         the pages newly allocated for them (in token order). The caller writes
-        the new K/V at positions ``length .. length + n_tokens - 1``."""
+        the new K/V at positions ``length .. length + n_tokens - 1``.
+
+        Raises ``KeyError`` (unknown ``seq_id``), ``ValueError``
+        (``n_tokens`` negative or not an int) or :class:`OutOfPagesError`
+        (too few free pages; nothing is allocated)."""
         st = self._state(seq_id)
         n = _count("n_tokens", n_tokens)
         if n == 0:
@@ -170,7 +248,13 @@ class BlockPool:
         would be written by both sequences' next appends, so it is copied on
         write now: the child gets a fresh page, and the returned
         :class:`PageCopy` tells the caller to copy it in the KV caches before
-        either sequence appends. Returns ``(child_id, copies)``.
+        either sequence appends. Returns ``(child_id, copies)``; ``child_id``
+        None picks an id as :meth:`add_sequence` does.
+
+        Raises ``KeyError`` (unknown ``parent_id``), ``ValueError``
+        (``child_id`` not an int or already in use) or
+        :class:`OutOfPagesError` (no free page for the copy); a failed fork
+        changes nothing.
         """
         st = self._state(parent_id)
         # Check the id before allocating so a duplicate leaves the pool as is.
@@ -196,7 +280,10 @@ class BlockPool:
         Pages wholly before the new ``logical_start`` leave the sequence (all
         of them once nothing is visible); each loses one reference and returns
         to the free list at zero. ``length`` (the RoPE offset) is unchanged.
-        Returns the pages the sequence dropped."""
+        Returns the pages the sequence dropped.
+
+        Raises ``KeyError`` (unknown ``seq_id``) or ``ValueError``
+        (``n_tokens`` negative, not an int, or more than are visible)."""
         st = self._state(seq_id)
         n = _count("n_tokens", n_tokens)
         visible = st.length - st.logical_start
@@ -313,11 +400,31 @@ def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
     :class:`PageCopy`, in order, in each cache.
 
     ``caches`` is one NumPy/CuPy array ``[num_pages, ...]`` (e.g. a KV cache
-    ``[num_pages, page_size, num_kv_heads, head_dim]``) or a sequence of them.
-    All ids are checked against every cache before anything is written. When
-    no copy reads a page an earlier one writes (the usual case) the copies run
-    as one gather/scatter per cache; otherwise one by one, which keeps the
-    sequential meaning.
+    ``[num_pages, page_size, num_kv_heads, head_dim]``) or a sequence of them,
+    modified in place; ``copies`` holds :class:`PageCopy` objects or
+    ``(src, dst)`` pairs. Returns None. All ids are checked against every
+    cache before anything is written. When no copy reads a page an earlier one
+    writes (the usual case) the copies run as one gather/scatter per cache;
+    otherwise one by one, which keeps the sequential meaning.
+
+    Raises ``ValueError`` (nothing written) for an id that is negative or not
+    an int, or ``>=`` some cache's first dimension (a 0-d cache included); an
+    entry that is neither a :class:`PageCopy` nor a pair fails to unpack
+    (``TypeError`` or ``ValueError``).
+
+    Example:
+
+    >>> import numpy as np
+    >>> import cupaged
+    >>> k = np.arange(8, dtype=np.float32).reshape(4, 2)   # 4 "pages" of 2 values
+    >>> v = k.copy()
+    >>> cupaged.apply_page_copies([k, v], [cupaged.PageCopy(src=1, dst=3)])
+    >>> k.tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [2.0, 3.0]]
+    >>> cupaged.apply_page_copies(k, [(0, 4)])
+    Traceback (most recent call last):
+        ...
+    ValueError: page id 4 out of range for a cache of shape (4, 2)
     """
     arrays = [caches] if hasattr(caches, "shape") else list(caches)
     pairs = []

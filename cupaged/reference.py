@@ -101,6 +101,29 @@ def gather_kv(cache: Any, table: Any, i: int) -> np.ndarray:
 
     Pages ``indices[indptr[i]:indptr[i+1]]`` are concatenated and the range
     ``[first_page_offset[i], first_page_offset[i] + seq_len_i)`` kept.
+
+    ``cache`` is ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD),
+    float16, float32, float64 or bfloat16 (a CuPy array is copied to the
+    host); ``table`` a :class:`~cupaged.PageTable`; ``i`` the request index.
+
+    Raises ``ValueError`` (an unsupported dtype, a cache that is not 4-D, or
+    whose page size differs from ``table.page_size``), ``IndexError`` (``i``
+    outside ``[0, B)``), :class:`~cupaged.errors.PageTableError` (one of
+    request ``i``'s page ids ``>= num_pages``).
+
+    Example: one request of 5 tokens starting at entry 2 of page 0:
+
+    >>> import numpy as np
+    >>> import cupaged
+    >>> from cupaged import reference
+    >>> table = cupaged.PageTable.from_seq_lens([5], page_size=4, first_page_offset=[2])
+    >>> cache = np.arange(8, dtype=np.float32).reshape(2, 4, 1, 1)  # value = slot
+    >>> reference.gather_kv(cache, table, 0)[:, 0, 0].tolist()
+    [2.0, 3.0, 4.0, 5.0, 6.0]
+    >>> reference.gather_kv(cache, table, 1)
+    Traceback (most recent call last):
+        ...
+    IndexError: request 1 out of range for batch size 1
     """
     c = _host(cache, "cache")
     _check_cache(c, "cache", table)
@@ -119,6 +142,28 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None
     float64; query head ``h`` uses KV head ``h // (Hq // Hkv)``; ``lse`` in
     log2 units.  ``T == 0`` gives zeros and ``-inf``.  ``sm_scale`` defaults to
     ``1/sqrt(D)``.
+
+    Raises ``ValueError``: an unsupported dtype, ``q_row`` not 2-D or ``k``,
+    ``v`` not 3-D, ``k`` and ``v`` of different shapes, head_dims that
+    differ, or ``Hq`` not a multiple of ``Hkv``.
+
+    Example:
+
+    >>> import numpy as np
+    >>> from cupaged import reference
+    >>> rng = np.random.default_rng(0)
+    >>> q_row = rng.standard_normal((4, 64))
+    >>> k, v = rng.standard_normal((10, 2, 64)), rng.standard_normal((10, 2, 64))
+    >>> out, lse = reference.attend(q_row, k, v)
+    >>> out.shape, lse.shape
+    ((4, 64), (4,))
+    >>> s = np.einsum("hd,thd->ht", q_row, np.repeat(k, 2, axis=1)) / 8.0  # head h reads kv head h // 2
+    >>> bool(np.allclose(lse / reference.LOG2E, np.log(np.exp(s).sum(axis=1))))  # log2 -> natural
+    True
+    >>> reference.attend(np.zeros((3, 64)), k, v)
+    Traceback (most recent call last):
+        ...
+    ValueError: num_qo_heads (3) must be divisible by num_kv_heads (2)
     """
     q = _f64(q_row, "q_row")
     kk = _f64(k, "k")
@@ -182,7 +227,35 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
     """Paged decode: ``q [B, Hq, D]`` against the visible tokens of each
     request -> ``(out [B, Hq, D] float64, lse [B, Hq] float64, log2 units)``.
 
-    A zero-length request gives zeros and ``-inf``.
+    ``k_cache``, ``v_cache`` are ``[num_pages, page_size, Hkv, D]`` (NHD);
+    inputs may be float16, float32, float64 or bfloat16 (CuPy arrays are
+    copied to the host). A zero-length request gives zeros and ``-inf``.
+    ``sm_scale`` defaults to ``1/sqrt(D)``.
+
+    Raises ``ValueError`` (an unsupported dtype; caches not 4-D, of different
+    shapes, or whose page size differs from the table's; ``q`` not 3-D or
+    whose batch or head_dim differs; ``Hq`` not a multiple of ``Hkv``) and
+    :class:`~cupaged.errors.PageTableError` (a page id ``>= num_pages``).
+
+    Example:
+
+    >>> import numpy as np
+    >>> import cupaged
+    >>> from cupaged import reference
+    >>> rng = np.random.default_rng(0)
+    >>> table = cupaged.PageTable.from_seq_lens([37, 0, 5], page_size=16)  # 3 + 0 + 1 pages
+    >>> k = rng.standard_normal((4, 16, 2, 64)).astype(np.float16)
+    >>> v = rng.standard_normal((4, 16, 2, 64)).astype(np.float16)
+    >>> q = rng.standard_normal((3, 8, 64)).astype(np.float16)
+    >>> out, lse = reference.decode(q, k, v, table)
+    >>> out.shape, lse.shape, out.dtype
+    ((3, 8, 64), (3, 8), dtype('float64'))
+    >>> bool((out[1] == 0).all() and np.isneginf(lse[1]).all())  # the empty request
+    True
+    >>> reference.decode(q, k[:3], v[:3], table)
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.PageTableError: request 2: page id 3 at indices[3] is out of range for a cache of num_pages=3
     """
     qh = _host(q, "q")
     k = _host(k_cache, "k_cache")
@@ -213,6 +286,24 @@ def merge_states(v: Any, lse: Any, o_indptr: Any
     A ``-inf`` partial contributes nothing (even if its ``v`` is NaN); an
     output with no finite partial is zeros and ``-inf`` — never NaN.  The
     result is associative under regrouping and stays in log2, so merges chain.
+
+    Raises ``ValueError``: ``v`` or ``lse`` of an unsupported dtype, ``v``
+    not 3-D or ``lse`` not ``[N, H]``; NaN or ``+inf`` in ``lse``;
+    ``o_indptr`` not a non-empty 1-D integer array, not starting at 0,
+    decreasing, or not ending exactly at ``N`` (stricter than
+    :func:`cupaged.merge_states`, which allows ending before ``N``).
+
+    Example:
+
+    >>> import numpy as np
+    >>> from cupaged import reference
+    >>> v_out, lse_out = reference.merge_states(np.ones((3, 2, 4)), np.zeros((3, 2)), np.array([0, 2, 3]))
+    >>> v_out.shape, lse_out.tolist()   # log2(2**0 + 2**0) = 1
+    ((2, 2, 4), [[1.0, 1.0], [0.0, 0.0]])
+    >>> reference.merge_states(np.ones((3, 2, 4)), np.zeros((3, 2)), np.array([0, 2]))
+    Traceback (most recent call last):
+        ...
+    ValueError: o_indptr must start at 0, be non-decreasing and end at N = 3
     """
     vv = _f64(v, "v")
     ll = _f64(lse, "lse")
@@ -262,8 +353,36 @@ def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
 
     Returns ``(out [B, Hq, D], lse [B, Hq], partial_v [N, Hq, D],
     partial_lse [N, Hq])`` float64 with ``N = plan.num_chunks``.  A chunk with
-    no visible token has zeros and ``-inf``.  Raises
-    :class:`~cupaged.errors.PlanMismatchError` for a plan that does not fit.
+    no visible token has zeros and ``-inf``.  ``plan`` is a
+    :class:`~cupaged.DecodePlan` from :func:`~cupaged.plan_decode`; its dtype
+    is not checked.
+
+    Raises what :func:`decode` raises for the tensors (``ValueError``,
+    :class:`~cupaged.errors.PageTableError`), then
+    :class:`~cupaged.errors.PlanMismatchError` when ``plan.matches(table)``
+    is false or the plan is for other ``(Hq, Hkv, D)``.
+
+    Example: one page per chunk gives 3 + 1 + 1 chunks (the empty request
+    still gets one):
+
+    >>> import numpy as np
+    >>> import cupaged
+    >>> from cupaged import reference
+    >>> rng = np.random.default_rng(0)
+    >>> table = cupaged.PageTable.from_seq_lens([37, 0, 5], page_size=16)
+    >>> k = rng.standard_normal((4, 16, 2, 64)).astype(np.float16)
+    >>> v = rng.standard_normal((4, 16, 2, 64)).astype(np.float16)
+    >>> q = rng.standard_normal((3, 8, 64)).astype(np.float16)
+    >>> plan = cupaged.plan_decode(table, 8, 2, 64, np.float16, pages_per_chunk=1)
+    >>> out, lse, partial_v, partial_lse = reference.decode_split(q, k, v, table, plan)
+    >>> ref_out, ref_lse = reference.decode(q, k, v, table)
+    >>> partial_v.shape, bool(np.allclose(out, ref_out) and np.allclose(lse, ref_lse))
+    ((5, 8, 64), True)
+    >>> other = cupaged.PageTable.from_seq_lens([10, 0, 5], page_size=16)  # request 0: 1 chunk, not 3
+    >>> reference.decode_split(q, k, v, other, plan)
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.PlanMismatchError: plan does not match the page table (batch size, page size or a request's chunk count changed)
     """
     qh = _host(q, "q")
     k = _host(k_cache, "k_cache")

@@ -5,7 +5,8 @@
   docs/api.md, and every name docs/api.md gives a section exists;
 - every signature block in docs/api.md matches ``inspect.signature`` (names,
   kinds, defaults), and so does every ``method(...)`` span of a class section;
-- every public function and class (and their public methods) has a docstring;
+- every public function and class (and their public methods) has a docstring,
+  cupaged.autotune's public functions and classes included;
 - the exceptions documented for ``decode`` are real (cupaged's own live in
   cupaged.errors), agree with ``decode.__doc__``, and a few documented raises
   are spot-checked;
@@ -319,7 +320,14 @@ def _public_callables():
             out.append(pytest.param(obj, id=name))
     out += [pytest.param(getattr(reference, n), id=f"reference.{n}") for n in reference.__all__
             if callable(getattr(reference, n))]
+    out += [pytest.param(getattr(cupaged.autotune, n), id=f"autotune.{n}") for n in _autotune_public()]
     return out
+
+
+def test_public_callables_cover_submodules():
+    ids = {p.id for p in _public_callables()}
+    assert {f"autotune.{n}" for n in ("tune", "tuned_plan", "graph_time_us", "TuneResult")} <= ids
+    assert {f"reference.{n}" for n in ("decode", "merge_states", "decode_split")} <= ids
 
 
 @pytest.mark.parametrize("obj", _public_callables())
@@ -419,6 +427,61 @@ def test_documented_raises_spot_checks():
                      table.device):
             with pytest.raises(cupaged.NoGPUError):
                 call()
+
+
+def test_docstring_raises_spot_checks(monkeypatch):
+    """Raises that the docstrings (issue 8 item 2) name, on the CPU."""
+    table = cupaged.PageTable.from_seq_lens([70], 16)
+    monkeypatch.setenv("CUPAGED_TARGET_CTAS", "lots")  # read whenever target_ctas is None
+    with pytest.raises(ValueError, match="CUPAGED_TARGET_CTAS"):
+        cupaged.plan_decode(table, 8, 2, 64, "float16", pages_per_chunk=2)
+    cupaged.plan_decode(table, 8, 2, 64, "float16", target_ctas=4)  # not read with a target
+    monkeypatch.delenv("CUPAGED_TARGET_CTAS")
+    monkeypatch.setenv("CUPAGED_NUM_SMS", "0")
+    cupaged.plan_decode(table, 8, 2, 64, "float16", num_sms=4)  # not read with num_sms
+    if not cupaged.has_gpu():
+        with pytest.raises(ValueError, match="CUPAGED_NUM_SMS"):
+            cupaged.plan_decode(table, 8, 2, 64, "float16")
+    monkeypatch.delenv("CUPAGED_NUM_SMS")
+    assert cupaged.plan_decode(table, 8, 2, 96, "float16").head_dim == 96  # planned; no kernel for it
+    for page_size in (0, 65537, 4.0):
+        with pytest.raises(ValueError):
+            cupaged.BlockPool(4, page_size)
+    pool = cupaged.BlockPool(4, 4)
+    s = pool.add_sequence()
+    pool.append(s, 15)
+    for bad in (lambda: pool.add_sequence(s), lambda: pool.append(s, -1), lambda: pool.refcount(4),
+                lambda: pool.trim_front(s, 16), lambda: pool.apply_window(s, -1)):
+        with pytest.raises(ValueError):
+            bad()
+    with pytest.raises(cupaged.OutOfPagesError):
+        pool.fork(s)  # the partial last page needs a copy, and no page is free
+    assert pool.seq_ids == (s,) and pool.num_free == 0
+    cache = np.zeros((4, 2))
+    for copies in ([(-1, 0)], [(0, 4)], [(1.0, 2)]):
+        with pytest.raises(ValueError):
+            cupaged.apply_page_copies(cache, copies)
+    with pytest.raises(IndexError):
+        reference.gather_kv(np.zeros((8, 16, 2, 64)), table, 1)
+    k = np.zeros((8, 16, 2, 64))
+    with pytest.raises(cupaged.PageTableError):
+        reference.decode(np.zeros((1, 4, 64)), k[:2], k[:2], table)  # 5 pages, 2 in the cache
+    with pytest.raises(ValueError, match="divisible"):
+        reference.attend(np.zeros((3, 64)), k[0], k[0])
+
+
+@pytest.mark.skipif(cupaged.has_gpu(), reason="checks the no-GPU behaviour")
+def test_autotune_without_gpu_raises_cupy_error():
+    """autotune has no GPU check of its own: CuPy's CUDA error surfaces."""
+    cupy = pytest.importorskip("cupy")
+    import cupaged.autotune as autotune
+
+    table = cupaged.PageTable.from_seq_lens([100], 16)
+    q, k = np.zeros((1, 8, 64), np.float16), np.zeros((7, 16, 2, 64), np.float16)
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+        autotune.tune(q, k, k, table, store=False)
+    with pytest.raises(cupy.cuda.runtime.CUDARuntimeError):
+        autotune.tuned_plan(q, k, k, table)
 
 
 def test_lse_units_documented():
