@@ -64,13 +64,25 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem)
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
+// Dynamic shared memory of one CTA (opt-in above 48 KB). Decode is latency
+// bound per warp: each warp waits on its own ring of STAGES tiles, so the
+// bytes in flight per SM grow with the ring. 72 KB gives 4 stages at head_dim
+// 128 (3 tiles of 8 KB in flight per warp) and still 3 CTAs per SM.
+// cupaged/_configs.py passes the same size at launch (MMA_SMEM_KB); a
+// developer can override both with env CUPAGED_MMA_SMEM_KB for experiments.
+#ifndef CUPAGED_MMA_SMEM_KB
+#define CUPAGED_MMA_SMEM_KB 72
+#endif
+constexpr int MMA_SMEM_BYTES = CUPAGED_MMA_SMEM_KB * 1024;
+constexpr int MMA_MAX_STAGES = 8;
+
 template <int HEAD_DIM>
 struct MmaLayout {
   static constexpr int ROW = HEAD_DIM + 8;  // elements per smem row: +16 bytes, conflict-free ldmatrix
   static constexpr int STAGE_BYTES = MMA_WARPS * 2 * MMA_TILE * ROW * 2;
-  static constexpr int BUDGET = 46 * 1024 - PAGE_WINDOW * 4;  // static shared memory stays < 48 KB
-  static constexpr int STAGES = BUDGET / STAGE_BYTES >= 4 ? 4 : BUDGET / STAGE_BYTES;
-  static_assert(STAGES >= 1, "one K/V stage must fit");
+  static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;
+  static constexpr int STAGES = BUDGET / STAGE_BYTES < MMA_MAX_STAGES ? BUDGET / STAGE_BYTES : MMA_MAX_STAGES;
+  static_assert(STAGES >= 2, "the K/V ring needs two stages: raise CUPAGED_MMA_SMEM_KB");
 };
 
 template <typename T, int HEAD_DIM, int HEADS>

@@ -89,6 +89,13 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Bytes of dynamic shared memory this launch was given.
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+  unsigned r;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+  return r;
+}
+
 // Sum over aligned groups of WIDTH lanes (WIDTH a power of two <= 32).
 template <int WIDTH>
 __device__ __forceinline__ float group_sum(float x) {

@@ -15,7 +15,8 @@
 // Every output element is written by exactly one CTA.
 //
 // Grid: x = chunk (plan.num_chunks), y = kv_head * q_groups + q_group.
-// Block: AttendCore<CORE>::THREADS threads. One CTA reads each K/V element of its
+// Block: AttendCore<CORE>::THREADS threads, AttendCore<CORE>::DYNAMIC_SMEM bytes
+// of dynamic shared memory (0 for SIMT; MMA_SMEM_BYTES for MMA). One CTA reads each K/V element of its
 // chunk once and uses it for the HEADS query heads
 //   kv_head * group_size + q_group * HEADS + [0, HEADS).
 // Chunk c belongs to request r = chunk_request[c] and is chunk
@@ -57,6 +58,11 @@ struct AttendCore<Core::SIMT, T, HEAD_DIM, HEADS> {
   static constexpr int THREADS = NUM_THREADS;
   static constexpr int MIN_BLOCKS = MinBlocks<HEADS>::value;
   using Scratch = AttendScratch<T, HEAD_DIM, HEADS>;
+  static constexpr int DYNAMIC_SMEM = 0;  // static shared memory (< 48 KB)
+  __device__ __forceinline__ static Scratch& scratch() {
+    __shared__ Scratch sm;
+    return sm;
+  }
   template <typename Emit, typename... Args>
   __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
     cta_attend<T, HEAD_DIM, HEADS>(args..., sm, emit);
@@ -68,6 +74,12 @@ struct AttendCore<Core::MMA, T, HEAD_DIM, HEADS> {
   static constexpr int THREADS = MMA_THREADS;
   static constexpr int MIN_BLOCKS = 1;
   using Scratch = MmaScratch<T, HEAD_DIM, HEADS>;
+  static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this
+  static_assert(sizeof(Scratch) <= MMA_SMEM_BYTES, "MMA scratch exceeds its shared memory budget");
+  __device__ __forceinline__ static Scratch& scratch() {
+    extern __shared__ uint4 dynamic_smem[];
+    return *reinterpret_cast<Scratch*>(dynamic_smem);
+  }
   template <typename Emit, typename... Args>
   __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
     cta_attend_mma<T, HEAD_DIM, HEADS>(args..., sm, emit);
@@ -89,8 +101,11 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, HEAD_DIM, HEADS>::THREADS,
     T* __restrict__ final_out, long long stride_o_batch, long long stride_o_head,
     float* __restrict__ final_lse) {
   using Attn = AttendCore<CORE, T, HEAD_DIM, HEADS>;
-  __shared__ typename Attn::Scratch sm;
+  typename Attn::Scratch& sm = Attn::scratch();
   __shared__ int is_last;
+  // A launch with less dynamic shared memory than the core needs would write
+  // past it: fail loudly instead (the host passes _configs.dynamic_smem()).
+  if (Attn::DYNAMIC_SMEM > 0 && dynamic_smem_size() < (unsigned)Attn::DYNAMIC_SMEM) __trap();
   const int chunk = blockIdx.x;
   const int kv_head = blockIdx.y / q_groups;
   const int head0 = kv_head * group_size + (blockIdx.y % q_groups) * HEADS;

@@ -7,6 +7,8 @@ is supported) and is what the CI compile check walks.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import ml_dtypes
 
@@ -32,6 +34,12 @@ CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
     "mma": ("cupaged::Core::MMA", 64, ("float16", "bfloat16"), (64, 128)),
 }
 CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
+# Dynamic shared memory of an MMA-core CTA in KB (cuda_src/attend_mma.cuh
+# CUPAGED_MMA_SMEM_KB; compiled in and passed at launch, so both agree). 72 KB
+# is a 4-stage K/V ring at head_dim 128 with 3 CTAs per SM. Env
+# CUPAGED_MMA_SMEM_KB overrides it (tuning experiments; read at import).
+ENV_MMA_SMEM_KB = "CUPAGED_MMA_SMEM_KB"
+MMA_SMEM_KB: int = int(os.environ.get(ENV_MMA_SMEM_KB, "72"))
 
 # kernel family -> source file in cuda_src/
 SOURCES: dict[str, str] = {
@@ -97,6 +105,16 @@ def choose_core(dtype: str, head_dim: int, requested: str | None = None) -> str:
             raise ValueError(f"core {requested!r} does not serve {dtype} with head_dim {head_dim}")
         return requested
     return next(c for c in CORE_PREFERENCE if serves(c, dtype, head_dim))
+
+
+def dynamic_smem(core: str) -> int:
+    """Bytes of dynamic shared memory a partial-kernel CTA of ``core`` takes."""
+    return MMA_SMEM_KB * 1024 if core == "mma" else 0
+
+
+def nvrtc_defines() -> tuple[str, ...]:
+    """Preprocessor options that must match the launch parameters above."""
+    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB}",)
 
 
 def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> tuple[int, int]:

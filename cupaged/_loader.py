@@ -18,7 +18,7 @@ from pathlib import Path
 from . import _configs
 
 SRC_DIR = Path(os.environ.get("CUPAGED_CUDA_SRC", Path(__file__).resolve().parent.parent / "cuda_src"))
-OPTIONS = ("-std=c++17", f"-I{SRC_DIR}")
+OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())
 
 
 @functools.lru_cache(maxsize=None)

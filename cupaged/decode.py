@@ -323,35 +323,100 @@ def _elem_strides(a, ndim: int):
     return tuple(np.int64(s // isz) for s in a.strides[:ndim])
 
 
+_FLOAT_BITS: dict[float, int] = {}
+
+
+def _f32_bits(x: float) -> int:
+    """A float32 kernel argument as the integer its 4 bytes spell (cached)."""
+    bits = _FLOAT_BITS.get(x)
+    if bits is None:
+        if len(_FLOAT_BITS) > 64:
+            _FLOAT_BITS.clear()
+        bits = _FLOAT_BITS[x] = int(np.float32(x).view(np.uint32))
+    return bits
+
+
+# Argument slots of paged_decode_partial (cuda_src/paged_decode_partial.cu),
+# in order. Each argument gets one 8-byte slot; 4-byte ones use its low half.
+_V2_ARGS = ("q", "sq_b", "sq_h", "k", "sk_p", "sk_t", "sk_h", "v", "sv_p", "sv_t", "sv_h",
+            "indices", "indptr", "last_page_len", "first_page_offset",
+            "chunk_request", "o_indptr", "pages_per_chunk", "page_size", "num_qo_heads", "group_size", "q_groups",
+            "scale", "partial_v", "partial_lse", "counters", "out", "so_b", "so_h", "lse")
+_SLOT = {name: i for i, name in enumerate(_V2_ARGS)}
+
+
 class _PlanBuffers:
     """Per-plan launch state, made on the plan's first launch: device copies of
     its metadata, the merge workspace and ticket counters (they reset
-    themselves in-kernel), the kernel and its plan-constant arguments, and the
-    last table the plan was checked against (tables are immutable)."""
+    themselves in-kernel), the kernel and its arguments packed once, and the
+    last table the plan was checked against (tables are immutable).
+
+    The launch goes straight to cuLaunchKernel with the packed argument
+    slots: CuPy's RawKernel call re-packs all 30 arguments on every call,
+    which alone costs ~14 us of host time. A call rewrites only the slots of
+    the arrays it was given and the table's pointers."""
 
     def __init__(self, plan: DecodePlan, dtype: str):
+        import ctypes
+
         import cupy
+        from cupy_backends.cuda.api import driver
 
         self.chunk_request = cupy.asarray(plan.chunk_request, dtype=cupy.int32)
         self.o_indptr = cupy.asarray(plan.o_indptr, dtype=cupy.int32)
+        self.partial_v = self.partial_lse = self.counters = None
         if plan.needs_merge:
             self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
             self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
             self.counters = cupy.zeros(plan.batch_size * plan.grid[1], dtype=cupy.int32)
-            merge_args = (self.partial_v, self.partial_lse, self.counters)
-        else:
-            merge_args = (_NULL, _NULL, _NULL)
         self.core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
         index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, self.core)
         self.kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
-        self.block = (threads,)
-        self.plan_args = (self.chunk_request, self.o_indptr, np.int32(plan.pages_per_chunk),
-                          np.int32(plan.page_size), np.int32(plan.num_qo_heads), np.int32(plan.group_size),
-                          np.int32(plan.q_groups))
-        self.merge_args = merge_args
+        self.function = self.kernel.kernel.ptr  # CUfunction on the current device (compiles on first use)
+        self.smem = _configs.dynamic_smem(self.core)
+        if self.smem > 48 * 1024:  # opt-in above the default 48 KB
+            driver.funcSetAttribute(self.function, _MAX_DYNAMIC_SMEM_ATTR, self.smem)
+        self.grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
+        self.block = (threads, 1, 1)
+
+        self.slots = (ctypes.c_uint64 * len(_V2_ARGS))()
+        base = ctypes.addressof(self.slots)
+        self.params = (ctypes.c_void_p * len(_V2_ARGS))(*(base + 8 * i for i in range(len(_V2_ARGS))))
+        self.params_ptr = ctypes.addressof(self.params)
+        s = self.slots
+        for name, value in (("chunk_request", self.chunk_request.data.ptr), ("o_indptr", self.o_indptr.data.ptr),
+                            ("pages_per_chunk", plan.pages_per_chunk), ("page_size", plan.page_size),
+                            ("num_qo_heads", plan.num_qo_heads), ("group_size", plan.group_size),
+                            ("q_groups", plan.q_groups)):
+            s[_SLOT[name]] = int(value)
+        if plan.needs_merge:
+            s[_SLOT["partial_v"]] = self.partial_v.data.ptr
+            s[_SLOT["partial_lse"]] = self.partial_lse.data.ptr
+            s[_SLOT["counters"]] = self.counters.data.ptr
+        self.table = None  # the table whose pointers are in the slots (kept alive while they are)
         self.checked_table = None  # weakref to the last table that matched
         self.signature = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, dtype)
+        self._current_stream = cupy.cuda.get_current_stream
+        self._launch = driver.launchKernel
 
+    def launch(self, q, k_cache, v_cache, table, scale: float, out, lse) -> None:
+        s = self.slots
+        isz = q.itemsize
+        qs, ks, vs, os_ = q.strides, k_cache.strides, v_cache.strides, out.strides
+        s[0:11] = (q.data.ptr, qs[0] // isz, qs[1] // isz,
+                   k_cache.data.ptr, ks[0] // isz, ks[1] // isz, ks[2] // isz,
+                   v_cache.data.ptr, vs[0] // isz, vs[1] // isz, vs[2] // isz)
+        if table is not self.table:
+            s[11:15] = tuple(a.data.ptr for a in table.device())
+            self.table = table
+        s[22] = _f32_bits(scale)
+        s[26:30] = (out.data.ptr, os_[0] // isz, os_[1] // isz, 0 if lse is None else lse.data.ptr)
+        g, b = self.grid, self.block
+        self._launch(self.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
+                     self._current_stream().ptr, self.params_ptr, 0)
+
+
+_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 _plan_buffers: "weakref.WeakKeyDictionary[DecodePlan, _PlanBuffers]" = weakref.WeakKeyDictionary()
 
@@ -366,13 +431,7 @@ def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
 
 
 def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scale, out, lse):
-    buf = plan_buffers(plan, dtype)
-    buf.kernel(
-        plan.grid, buf.block,
-        (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
-         *table.device(), *buf.plan_args, np.float32(scale), *buf.merge_args,
-         out, *_elem_strides(out, 2), _NULL if lse is None else lse),
-    )
+    plan_buffers(plan, dtype).launch(q, k_cache, v_cache, table, scale, out, lse)
 
 
 def _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse):
