@@ -19,8 +19,17 @@
 
 namespace cupaged {
 
-constexpr int MMA_WARPS = 2;
+// Warps per CTA and the resident CTAs per SM the register budget must allow
+// (defaults below; cupaged/_configs.py passes the same values to NVRTC).
+#ifndef CUPAGED_MMA_WARPS
+#define CUPAGED_MMA_WARPS 2
+#endif
+#ifndef CUPAGED_MMA_MIN_BLOCKS
+#define CUPAGED_MMA_MIN_BLOCKS 1
+#endif
+constexpr int MMA_WARPS = CUPAGED_MMA_WARPS;
 constexpr int MMA_THREADS = MMA_WARPS * 32;
+constexpr int MMA_MIN_BLOCKS = CUPAGED_MMA_MIN_BLOCKS;
 constexpr int MMA_TILE = 16;  // tokens per warp per stage
 
 template <typename T> struct Mma;
@@ -155,16 +164,24 @@ __device__ __forceinline__ void cta_attend_mma(
       if (it < n_iter) {
         const int stage = it % STAGES;
         const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
+        // One division per tile; the lane's rows then advance ROWS_PER_PASS
+        // slots per pass (at most one page step unless page_size is tiny).
+        int p = (base + my_row) / page_size;
+        int slot = base + my_row - p * page_size;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
           const int row = my_row + pass * ROWS_PER_PASS;
-          const int pos = base + row;
-          const bool valid = pos < s1;
+          const bool valid = base + row < s1;
+          if (pass > 0) {
+            slot += ROWS_PER_PASS;
+            while (slot >= page_size) {
+              slot -= page_size;
+              ++p;
+            }
+          }
           const T* kp = k_cache;
           const T* vp = v_cache;
           if (valid) {
-            const int p = pos / page_size;
-            const int slot = pos - p * page_size;
             const long long page = sm.page_ids[p - win];
             kp = k_cache + page * ks.page + slot * ks.token + k_head + my_col;
             vp = v_cache + page * vs.page + slot * vs.token + v_head + my_col;

@@ -72,7 +72,7 @@ struct AttendCore<Core::SIMT, T, HEAD_DIM, HEADS> {
 template <typename T, int HEAD_DIM, int HEADS>
 struct AttendCore<Core::MMA, T, HEAD_DIM, HEADS> {
   static constexpr int THREADS = MMA_THREADS;
-  static constexpr int MIN_BLOCKS = 1;
+  static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;
   using Scratch = MmaScratch<T, HEAD_DIM, HEADS>;
   static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this
   static_assert(sizeof(Scratch) <= MMA_SMEM_BYTES, "MMA scratch exceeds its shared memory budget");

@@ -23,6 +23,18 @@ HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 # the largest divisor of the GQA group size in this range).
 HEADS_PER_CTA: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 
+# Dynamic shared memory of an MMA-core CTA in KB (cuda_src/attend_mma.cuh
+# CUPAGED_MMA_SMEM_KB; compiled in and passed at launch, so both agree). 72 KB
+# is a 4-stage K/V ring at head_dim 128 with 3 CTAs per SM. Env
+# CUPAGED_MMA_SMEM_KB overrides it (tuning experiments; read at import).
+ENV_MMA_SMEM_KB = "CUPAGED_MMA_SMEM_KB"
+MMA_SMEM_KB: int = int(os.environ.get(ENV_MMA_SMEM_KB, "72"))
+# Warps per MMA-core CTA and the CTAs per SM its register budget allows
+# (CUPAGED_MMA_WARPS / CUPAGED_MMA_MIN_BLOCKS in attend_mma.cuh; env overrides
+# for tuning experiments, read at import).
+MMA_WARPS: int = int(os.environ.get("CUPAGED_MMA_WARPS", "2"))
+MMA_MIN_BLOCKS: int = int(os.environ.get("CUPAGED_MMA_MIN_BLOCKS", "1"))
+
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
 # name -> (C++ enumerator, threads per CTA, dtypes, head dims it serves).
 # Tensor cores for 16-bit KV up to head_dim 128 (at 256 the accumulators no
@@ -31,15 +43,9 @@ HEADS_PER_CTA: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 # CORE_PREFERENCE that serves the call (env CUPAGED_CORE overrides).
 CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
     "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
-    "mma": ("cupaged::Core::MMA", 64, ("float16", "bfloat16"), (64, 128)),
+    "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS, ("float16", "bfloat16"), (64, 128)),
 }
 CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
-# Dynamic shared memory of an MMA-core CTA in KB (cuda_src/attend_mma.cuh
-# CUPAGED_MMA_SMEM_KB; compiled in and passed at launch, so both agree). 72 KB
-# is a 4-stage K/V ring at head_dim 128 with 3 CTAs per SM. Env
-# CUPAGED_MMA_SMEM_KB overrides it (tuning experiments; read at import).
-ENV_MMA_SMEM_KB = "CUPAGED_MMA_SMEM_KB"
-MMA_SMEM_KB: int = int(os.environ.get(ENV_MMA_SMEM_KB, "72"))
 
 # kernel family -> source file in cuda_src/
 SOURCES: dict[str, str] = {
@@ -114,7 +120,8 @@ def dynamic_smem(core: str) -> int:
 
 def nvrtc_defines() -> tuple[str, ...]:
     """Preprocessor options that must match the launch parameters above."""
-    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB}",)
+    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB}", f"-DCUPAGED_MMA_WARPS={MMA_WARPS}",
+            f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}")
 
 
 def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> tuple[int, int]:

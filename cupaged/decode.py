@@ -21,7 +21,8 @@ import numpy as np
 
 from . import _configs, _loader
 from ._device import require_gpu
-from .errors import PlanMismatchError
+from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
+                     PlanMismatchError, ShapeError, UnsupportedConfigError)
 from .page_table import PageTable
 from .plan import DecodePlan, plan_decode
 
@@ -61,48 +62,115 @@ class Selection:
 
 
 # --------------------------------------------------------------------------- checks
+# Every check here is an O(1) comparison of attributes the caller's arrays
+# already carry: no device sync, no allocation (the decode hot path, issue 5).
+# The full checks that read device memory live in cupaged/_validate.py and run
+# only with ``decode(..., validate=True)``.
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _as_cupy(x, name: str):
     import cupy
 
     if isinstance(x, cupy.ndarray):
         return x
-    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__"):
-        return cupy.asarray(x) if hasattr(x, "__cuda_array_interface__") else cupy.from_dlpack(x)
-    raise TypeError(f"{name} must be a CuPy array (or a CUDA array via DLPack), got {type(x).__name__}")
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__") and _dlpack_on_gpu(x):
+        return cupy.from_dlpack(x)
+    hint = f"; copy it to the GPU first, e.g. cupy.asarray({name})" if isinstance(x, np.ndarray) else ""
+    raise ArgumentTypeError(
+        f"{name} must be a CuPy array (or a CUDA array via __cuda_array_interface__ / DLPack), "
+        f"got {type(x).__module__}.{type(x).__name__}{hint}"
+    )
+
+
+def _dlpack_on_gpu(x) -> bool:
+    """True when a DLPack producer says its data lives on a CUDA device."""
+    try:
+        device_type = int(x.__dlpack_device__()[0])
+    except Exception:  # no or a broken __dlpack_device__: let CuPy decide
+        return True
+    return device_type in (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
 def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
     """Shape/dtype/device checks that cost no device sync; returns the dtype name."""
     if not isinstance(table, PageTable):
-        raise TypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+        raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
     if q.ndim != 3:
-        raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape {q.shape}")
+        raise ShapeError(f"q must be 3-D [batch, num_qo_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 4 or v_cache.ndim != 4:
-        raise ValueError(
-            "k_cache and v_cache must be [num_pages, page_size, num_kv_heads, head_dim] (NHD), "
+        raise ShapeError(
+            "k_cache and v_cache must be 4-D [num_pages, page_size, num_kv_heads, head_dim] (NHD), "
             f"got shapes {k_cache.shape} and {v_cache.shape}"
         )
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache shape {k_cache.shape} != v_cache shape {v_cache.shape}")
+        raise ShapeError(f"k_cache and v_cache must have one shape, got {k_cache.shape} and {v_cache.shape}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    name = _configs.dtype_name(q.dtype)
+        raise DTypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    try:
+        name = _configs.dtype_name(q.dtype)
+    except ValueError:
+        raise DTypeError(
+            f"q, k_cache and v_cache have dtype {q.dtype}, which no kernel serves; "
+            f"supported: {', '.join(_configs.DTYPES)}"
+        ) from None
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_qo_heads, q_dim = q.shape
     if q_dim != head_dim:
-        raise ValueError(f"q head_dim {q_dim} != cache head_dim {head_dim}")
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ShapeError(f"q's head_dim (q.shape[2] = {q_dim}) must equal the caches' head_dim (k_cache.shape[3] = {head_dim})")
+    if not (num_kv_heads and num_qo_heads and head_dim) or num_qo_heads % num_kv_heads:
+        _raise_heads(num_qo_heads, num_kv_heads, head_dim)
     if page_size != table.page_size:
-        raise ValueError(f"cache page_size {page_size} != table.page_size {table.page_size}")
+        raise ShapeError(f"the caches' page_size (k_cache.shape[1] = {page_size}) must equal table.page_size ({table.page_size})")
     if batch != table.batch_size:
-        raise ValueError(f"q has batch {batch} but the table has {table.batch_size} requests")
+        raise ShapeError(f"q's batch (q.shape[0] = {batch}) must equal table.batch_size ({table.batch_size} requests)")
     table.check_page_ids(num_pages)
-    if not (q.device.id == k_cache.device.id == v_cache.device.id):
-        raise ValueError(
-            f"q, k_cache and v_cache must be on one device, got {q.device.id}, {k_cache.device.id}, {v_cache.device.id}"
+    if not (q.data.device_id == k_cache.data.device_id == v_cache.data.device_id):
+        raise DeviceMismatchError(
+            "q, k_cache and v_cache must be on one device, got devices "
+            f"{q.data.device_id}, {k_cache.data.device_id}, {v_cache.data.device_id}"
         )
     return name
+
+
+def _raise_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int):
+    if not head_dim:
+        raise ShapeError("head_dim (q.shape[2]) must be >= 1, got 0")
+    if not num_kv_heads or not num_qo_heads:
+        raise ShapeError(
+            f"num_qo_heads (q.shape[1] = {num_qo_heads}) and num_kv_heads (k_cache.shape[2] = {num_kv_heads}) "
+            "must be >= 1"
+        )
+    raise ShapeError(
+        f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads}): "
+        "each KV head serves a group of query heads"
+    )
+
+
+def _raise_not_current(q):
+    """The kernels launch on the current device: q (hence k, v, out) must be there."""
+    import cupy
+
+    raise DeviceMismatchError(
+        f"q, k_cache and v_cache are on device {q.data.device_id} but the current device is "
+        f"{cupy.cuda.runtime.getDevice()}; call decode inside `with cupy.cuda.Device({q.data.device_id}):`"
+    )
+
+
+def _check_sm_scale(sm_scale) -> float:
+    """``sm_scale * log2(e)``, the kernels' float32 scale; it must be finite."""
+    try:
+        value = float(sm_scale)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"sm_scale must be a real number or None, got {sm_scale!r}") from None
+    scale = value * LOG2E
+    if not math.isfinite(scale) or abs(scale) > _F32_MAX:
+        raise InvalidArgumentError(
+            f"sm_scale must be finite, with |sm_scale * log2(e)| within float32 range, got {sm_scale!r}"
+        )
+    return scale
 
 
 def _kernel_decline_reason(q, k_cache, v_cache) -> str | None:
@@ -120,16 +188,22 @@ def _kernel_decline_reason(q, k_cache, v_cache) -> str | None:
 
 def _check_out(out, q):
     out = _as_cupy(out, "out")
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must have q's shape {q.shape} and dtype {q.dtype}, got {out.shape} {out.dtype}")
+    if out.shape != q.shape:
+        raise ShapeError(f"out must have q's shape {q.shape}, got {out.shape}")
+    if out.dtype != q.dtype:
+        raise DTypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
     if out.strides[-1] != out.itemsize:
-        raise ValueError("out's head_dim must be contiguous")
-    if out.device.id != q.device.id:
-        raise ValueError(f"out is on device {out.device.id}, q on {q.device.id}")
+        raise LayoutError(
+            f"out's head_dim must be contiguous (last stride {out.itemsize} bytes), got strides {out.strides}"
+        )
+    if out.data.device_id != q.data.device_id:
+        raise DeviceMismatchError(f"out must be on q's device {q.data.device_id}, got device {out.data.device_id}")
     return out
 
 
 def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str) -> None:
+    if not isinstance(plan, DecodePlan):
+        raise ArgumentTypeError(f"plan must be a cupaged.DecodePlan from plan_decode or None, got {type(plan).__name__}")
     _, num_qo_heads, head_dim = q.shape
     expected = (num_qo_heads, k_cache.shape[2], head_dim, dtype_name)
     got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, _configs.dtype_name(plan.dtype))
@@ -145,11 +219,22 @@ def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str)
         )
 
 
+def _check_core(dtype_name: str, head_dim: int) -> None:
+    """Env CUPAGED_CORE, read where a plan's launch state is first built."""
+    requested = os.environ.get(ENV_CORE) or None
+    if requested is None:
+        return
+    try:
+        _configs.choose_core(dtype_name, head_dim, requested)
+    except ValueError as e:
+        raise UnsupportedConfigError(f"{ENV_CORE}={requested!r}: {e}") from None
+
+
 # ------------------------------------------------------------------------- selection
 def default_method() -> str:
     method = os.environ.get(ENV_METHOD, "auto")
     if method not in METHODS:
-        raise ValueError(f"{ENV_METHOD}={method!r}; expected one of {METHODS}")
+        raise UnsupportedConfigError(f"environment variable {ENV_METHOD}={method!r} must be one of {METHODS}")
     return method
 
 
@@ -185,11 +270,12 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
         has no kernel instance (supported: (64, 128, 256))"``.
 
     Raises:
-        TypeError (an input that is not a CuPy/CUDA array, NumPy arrays
-        included; ``table`` not a PageTable), ValueError (shapes, heads not
-        divisible, mixed or unsupported dtypes, devices, an unknown ``method``
-        or ``CUPAGED_DECODE``), PageTableError (a page id ``>= num_pages``).
-        It raises no NoGPUError of its own, but CuPy arrays need a GPU.
+        ArgumentTypeError [TypeError] (an input that is not a CuPy/CUDA
+        array, NumPy arrays included; ``table`` not a PageTable), ShapeError,
+        DTypeError, DeviceMismatchError, UnsupportedConfigError (an unknown
+        ``method`` or ``CUPAGED_DECODE``), all ValueErrors, as for
+        :func:`decode`; PageTableError (a page id ``>= num_pages``). It
+        raises no NoGPUError of its own, but CuPy arrays need a GPU.
 
     Example (needs a GPU)::
 
@@ -207,7 +293,7 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
 
 def _select(q, k_cache, v_cache, table: PageTable, method: str) -> Selection:
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise UnsupportedConfigError(f"method must be one of {METHODS}, got {method!r}")
     if method == "auto":
         method = default_method()
     if method == "gather":
@@ -222,7 +308,7 @@ def _select(q, k_cache, v_cache, table: PageTable, method: str) -> Selection:
 
 # ---------------------------------------------------------------------- the entry
 def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, *, method: str = "auto",
-           sm_scale: float | None = None, out=None, return_lse: bool = False):
+           sm_scale: float | None = None, out=None, return_lse: bool = False, validate: bool = False):
     """Paged-attention decode: one query token per request against its paged KV.
 
     Args:
@@ -250,6 +336,14 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         out: optional output array (q's shape and dtype, head_dim contiguous).
         return_lse: also return the LSE, ``[batch, num_qo_heads]`` float32 in
             **log2 units** (natural log = lse * ln 2); -inf for an empty request.
+        validate: a debugging aid, off by default. The default checks are
+            O(1) host comparisons (no device sync); they trust the device
+            copy of the table (``table.device()``). ``validate=True`` also
+            reads that copy back with CuPy reductions (one sync) and checks
+            every CSR rule on it (indptr from 0 and non-decreasing, page ids
+            in ``[0, num_pages)``, ``last_page_len`` in ``[1, page_size]``,
+            ``first_page_offset`` valid, sizes, and equality with the host
+            table), and that ``out``'s elements do not overlap.
 
     Returns:
         ``out`` (``[batch, num_qo_heads, head_dim]``, q's dtype), or
@@ -258,15 +352,26 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         refuses an empty batch).
 
     Raises:
-        TypeError (an input not a CuPy/CUDA array, ``table`` not a
-        PageTable), ValueError (shapes, heads not divisible, mixed or
-        unsupported dtypes, devices, a bad ``out``, an unknown ``method`` or
-        ``CUPAGED_DECODE``; an unknown ``CUPAGED_CORE``, or one that does
-        not serve the dtype and head_dim, read when a plan is first launched
-        on the v2 path), PageTableError (a page id ``>= num_pages``),
-        PlanMismatchError (a plan built for other heads, head_dim or dtype,
-        or a stale one: ``plan.matches(table)`` is false), NoGPUError (no
-        CUDA device; checked before anything else).
+        Every class below is a :class:`~cupaged.errors.CupagedError` and
+        also the builtin in brackets. ArgumentTypeError [TypeError] (an
+        input not a CuPy/CUDA array, NumPy included; ``table`` not a
+        PageTable; ``plan`` not a DecodePlan; ``sm_scale`` not a number),
+        ShapeError [ValueError] (a rank, head_dim, page size or batch that
+        differs; zero heads; heads not divisible; ``out`` of another shape),
+        DTypeError [ValueError] (mixed or unsupported dtypes; ``out`` of
+        another dtype), LayoutError [ValueError] (``out``'s head_dim not
+        contiguous; with ``validate``, overlapping ``out`` elements),
+        DeviceMismatchError [ValueError] (arrays on different devices, or
+        not on the current one), UnsupportedConfigError [ValueError] (an
+        unknown ``method`` or ``CUPAGED_DECODE``; an unknown
+        ``CUPAGED_CORE``, or one that does not serve the dtype and head_dim,
+        read when a plan's launch state is first built on the v2 path),
+        InvalidArgumentError [ValueError] (a non-finite ``sm_scale``),
+        PageTableError [ValueError] (a page id ``>= num_pages``; with
+        ``validate``, a device table that breaks a rule), PlanMismatchError
+        [ValueError] (a plan built for other heads, head_dim or dtype, or a
+        stale one: ``plan.matches(table)`` is false), NoGPUError
+        [RuntimeError] (no CUDA device; checked before anything else).
 
     Example (needs a GPU)::
 
@@ -286,15 +391,25 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
 
     q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     dtype = _check_inputs(q, k_cache, v_cache, table)
+    if q.data.device_id != cupy.cuda.runtime.getDevice():
+        _raise_not_current(q)
+    head_dim = q.shape[-1]
+    scale = (1.0 / math.sqrt(head_dim)) * LOG2E if sm_scale is None else _check_sm_scale(sm_scale)
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     else:
         out = _check_out(out, q)
+        if validate:
+            from ._validate import check_out_overlap
+
+            check_out_overlap(out)
     lse = cupy.empty(q.shape[:2], dtype=cupy.float32) if return_lse else None
-    head_dim = q.shape[-1]
-    scale = (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E
 
     selection = _select(q, k_cache, v_cache, table, method)
+    if validate:
+        from ._validate import check_device_table
+
+        check_device_table(table, k_cache.shape[0])
     if selection.method == "gather":
         from .gather import gather_decode
 
@@ -305,11 +420,17 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse)
     else:
         if plan is None:
+            _check_core(dtype, head_dim)
             plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype)
         else:
-            buf = _plan_buffers.get(plan)
+            try:
+                buf = _plan_buffers.get(plan)
+            except TypeError:  # not weak-referenceable, so not a DecodePlan: _check_plan says so
+                buf = None
             if buf is None or buf.checked_table is None or buf.checked_table() is not table:
                 _check_plan(plan, table, q, k_cache, dtype)
+                if buf is None:
+                    _check_core(dtype, head_dim)
                 plan_buffers(plan, dtype).checked_table = weakref.ref(table)
             elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != buf.signature:
                 _check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
@@ -374,7 +495,7 @@ class _PlanBuffers:
         self.kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
         self.function = self.kernel.kernel.ptr  # CUfunction on the current device (compiles on first use)
         self.smem = _configs.dynamic_smem(self.core)
-        if self.smem > 48 * 1024:  # opt-in above the default 48 KB
+        if self.smem:  # opt-in: static + dynamic may exceed the default 48 KB
             driver.funcSetAttribute(self.function, _MAX_DYNAMIC_SMEM_ATTR, self.smem)
         self.grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
         self.block = (threads, 1, 1)
