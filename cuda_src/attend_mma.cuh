@@ -22,10 +22,10 @@ namespace cupaged {
 // Warps per CTA and the resident CTAs per SM the register budget must allow
 // (defaults below; cupaged/_configs.py passes the same values to NVRTC).
 #ifndef CUPAGED_MMA_WARPS
-#define CUPAGED_MMA_WARPS 2
+#define CUPAGED_MMA_WARPS 4
 #endif
 #ifndef CUPAGED_MMA_MIN_BLOCKS
-#define CUPAGED_MMA_MIN_BLOCKS 1
+#define CUPAGED_MMA_MIN_BLOCKS 2
 #endif
 constexpr int MMA_WARPS = CUPAGED_MMA_WARPS;
 constexpr int MMA_THREADS = MMA_WARPS * 32;
@@ -73,10 +73,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem)
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
-// Dynamic shared memory of one CTA (opt-in above 48 KB). Decode is latency
-// bound per warp: each warp waits on its own ring of STAGES tiles, so the
-// bytes in flight per SM grow with the ring. 72 KB gives 4 stages at head_dim
-// 128 (3 tiles of 8 KB in flight per warp) and still 3 CTAs per SM.
+// Dynamic shared memory of one CTA (opt-in above 48 KB): the page-id window
+// plus a ring of STAGES tiles per warp. 72 KB gives 4 warps 2 stages at
+// head_dim 128 (more stages measured no faster: the per-warp instruction
+// chain, not the bytes in flight, sets the pace).
 // cupaged/_configs.py passes the same size at launch (MMA_SMEM_KB); a
 // developer can override both with env CUPAGED_MMA_SMEM_KB for experiments.
 #ifndef CUPAGED_MMA_SMEM_KB

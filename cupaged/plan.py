@@ -49,14 +49,15 @@ __all__ = [
 
 #: Most query heads one CTA serves (its q-head group).
 MAX_HEADS_PER_CTA = 8
-#: The default chunk size (``default_pages_per_chunk``) searches with a light
-#: target of CTAS_PER_SM CTAs per SM, and with LONG_CTAS_PER_SM when that
-#: leaves chunks longer than LONG_CHUNK_TOKENS; chunks never drop below
-#: MIN_CHUNK_TOKENS. Calibrated on the H200 (docs/benchmarks/, autotune).
-CTAS_PER_SM = 1.875  # just under 2: a batch of exactly 2 CTAs/SM stays unsplit
-LONG_CTAS_PER_SM = 6
-MIN_CHUNK_TOKENS = 64
-LONG_CHUNK_TOKENS = 1024
+#: The default chunk size (``default_pages_per_chunk``) searches with a
+#: target of CTAS_PER_SM CTAs per SM; chunks never drop below
+#: MIN_CHUNK_TOKENS. Fitted to scripts/autotune.py's sweep of every power of
+#: two on the H200 (4-warp tensor-core kernel, 2026-11-29): geometric mean
+#: 1.009x the per-cell best over 12 cells (batch 1-128, ctx 1k-32k), worst
+#: 1.08x. (An earlier rule that split long chunks over more waves no longer
+#: gained anything and was dropped.)
+CTAS_PER_SM = 1.5
+MIN_CHUNK_TOKENS = 128
 #: SM count used when neither the argument, a device nor the env var gives one
 #: (an NVIDIA H200 has 132 SMs).
 DEFAULT_NUM_SMS = 132
@@ -143,7 +144,7 @@ def default_target_ctas(num_sms: int) -> int:
     """Default CTA count to saturate a device: ``CTAS_PER_SM * num_sms``.
 
     >>> default_target_ctas(132)   # H200
-    247
+    198
     """
     return max(1, int(CTAS_PER_SM * _positive_int(num_sms, "num_sms")))
 
@@ -219,29 +220,26 @@ def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: in
     """The default chunk size, calibrated by the autotuner on the H200.
 
     1. ``c = choose_pages_per_chunk(pages, ctas_per_chunk, default_target_ctas(num_sms))``:
-       the largest chunk that still gives ~2 CTAs per SM. Small and medium
+       the largest chunk that still gives ~1.5 CTAs per SM. Small and medium
        batches win with few, long-enough chunks: each CTA has a fixed cost
        (query, page ids, pipeline fill, merge) that many tiny chunks multiply.
-    2. If that leaves chunks longer than ``LONG_CHUNK_TOKENS``, search again
-       with ``LONG_CTAS_PER_SM * num_sms`` (never below LONG_CHUNK_TOKENS per
-       chunk): long chunks balance better over SMs in several waves.
-    3. Never below ``MIN_CHUNK_TOKENS`` tokens per chunk (capped at the
+    2. Never below ``MIN_CHUNK_TOKENS`` tokens per chunk (capped at the
        longest request).
-    4. Even out the longest request's chunks at the same chunk count (a
+    3. Even out the longest request's chunks at the same chunk count (a
        search can return 255 of 256 pages, leaving a 1-page straggler).
 
     Worked examples (132 SMs, page 16, 8 kv heads x 1 q group = 8 CTAs/chunk):
 
     >>> default_pages_per_chunk([64], 8, 132, 16)           # batch 1, ctx 1024
-    4
+    8
     >>> default_pages_per_chunk([2048] * 8, 8, 132, 16)     # batch 8, ctx 32768
-    158
+    512
     >>> default_pages_per_chunk([256] * 128, 8, 132, 16)    # batch 128, ctx 4096: no split
     256
 
-    Measured (fp16, 32q/8kv, D 128; µs under graph replay, heuristic vs best
-    of all powers of two): batch 1 ctx 1024: c=4 is the best (9.8); batch 8
-    ctx 32768: c=128 294 vs c=255 (old target) 364; batch 4 ctx 4096: c=32 29.0.
+    Measured (fp16, 32q/8kv, D 128; µs under graph replay, best of all powers
+    of two, docs/benchmarks/autotune-h200-2026-11-29.csv): batch 1 ctx 1024:
+    c=8 7.4; batch 8 ctx 32768: c=512 265.8; batch 128 ctx 1024: no split 138.5.
     """
     pages = _request_pages(request_pages)
     per_chunk = _positive_int(ctas_per_chunk, "ctas_per_chunk")
@@ -249,9 +247,6 @@ def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: in
     p = _positive_int(page_size, "page_size")
     longest = max(1, int(pages.max(initial=1)))
     c = choose_pages_per_chunk(pages, per_chunk, default_target_ctas(sms))
-    if c * p > LONG_CHUNK_TOKENS:
-        c_long = choose_pages_per_chunk(pages, per_chunk, LONG_CTAS_PER_SM * sms)
-        c = min(c, max(c_long, -(-LONG_CHUNK_TOKENS // p)))
     c = min(max(c, -(-MIN_CHUNK_TOKENS // p)), longest)
     return -(-longest // -(-longest // c))
 

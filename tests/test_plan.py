@@ -105,8 +105,8 @@ def test_heads_per_cta_rejects(bad):
 
 
 def test_default_target_ctas():
-    assert CTAS_PER_SM == 1.875
-    assert default_target_ctas(132) == 247
+    assert CTAS_PER_SM == 1.5
+    assert default_target_ctas(132) == 198
     assert default_target_ctas(np.int64(1)) == 1
     with pytest.raises(ValueError, match="num_sms"):
         default_target_ctas(0)
@@ -354,13 +354,13 @@ def test_plan_uses_choose_pages_per_chunk():
 def test_env_num_sms(no_device, monkeypatch):
     rng = np.random.default_rng(11)
     t = table_from_pages(rng, [400, 3])
-    assert plan_decode(t, 8, 8, 64, "float16").target_ctas == 247
+    assert plan_decode(t, 8, 8, 64, "float16").target_ctas == 198
     monkeypatch.setenv("CUPAGED_NUM_SMS", "10")           # read at call time
     p = plan_decode(t, 8, 8, 64, "float16")
-    assert p.target_ctas == 18
+    assert p.target_ctas == 15
     assert p.pages_per_chunk == plan_mod.default_pages_per_chunk([400, 3], 8, 10, t.page_size)
     # the argument beats the env variable
-    assert plan_decode(t, 8, 8, 64, "float16", num_sms=20).target_ctas == 37
+    assert plan_decode(t, 8, 8, 64, "float16", num_sms=20).target_ctas == 30
     monkeypatch.setenv("CUPAGED_NUM_SMS", "zero")
     with pytest.raises(ValueError, match="CUPAGED_NUM_SMS"):
         plan_decode(t, 8, 8, 64, "float16")
@@ -375,7 +375,7 @@ def test_device_sm_count_beats_env(monkeypatch):
     monkeypatch.delenv("CUPAGED_TARGET_CTAS", raising=False)
     assert plan_mod.resolve_num_sms() == 100
     assert plan_mod.resolve_num_sms(7) == 7
-    assert plan_mod.resolve_target_ctas() == 187
+    assert plan_mod.resolve_target_ctas() == 150
 
 
 def test_device_num_sms_without_gpu_is_none_or_positive():
@@ -522,16 +522,16 @@ def test_default_pages_per_chunk_rules():
         return -(-longest // -(-longest // c))
 
     # light target first: batch 4, ctx 4096 (256 pages), 8 CTAs/chunk, 132 SMs
-    assert plan_mod.default_pages_per_chunk([256] * 4, 8, 132, 16) == even(256, brute_force_c([256] * 4, 8, 247))
-    # long chunks (> LONG_CHUNK_TOKENS) search again with the long target, floored at 1024 tokens
+    assert plan_mod.default_pages_per_chunk([256] * 4, 8, 132, 16) == even(256, brute_force_c([256] * 4, 8, 198))
+    # long requests use the same target
     c = plan_mod.default_pages_per_chunk([1024] * 8, 8, 132, 16)
-    assert c == even(1024, max(brute_force_c([1024] * 8, 8, 6 * 132), 1024 // 16))
+    assert c == even(1024, brute_force_c([1024] * 8, 8, 198))
     # a batch that already fills the device is not split
     assert plan_mod.default_pages_per_chunk([256] * 128, 8, 132, 16) == 256
     # never below MIN_CHUNK_TOKENS, never above the longest request
-    assert plan_mod.default_pages_per_chunk([64], 8, 132, 16) == 64 // 16
+    assert plan_mod.default_pages_per_chunk([64], 8, 132, 16) == 128 // 16
     assert plan_mod.default_pages_per_chunk([2], 8, 132, 16) == 2
-    assert plan_mod.default_pages_per_chunk([1000], 8, 132, 1) == 63  # 64 floored, evened to 16 x 63
+    assert plan_mod.default_pages_per_chunk([1000], 8, 132, 1) == 125  # 128 floored, evened to 8 x 125
     # plan_decode uses it unless a target or a chunk size is given
     t = table_from_pages(np.random.default_rng(3), [1024] * 8)
     assert plan_decode(t, 64, 8, 128, "float16", num_sms=132).pages_per_chunk == c
