@@ -12,7 +12,21 @@ LSE values are in **log2 units** everywhere (natural log = lse * ln 2).
 from . import reference
 from ._device import has_gpu
 from .decode import METHODS, Selection, decode, select_method
-from .errors import CupagedError, NoGPUError, OutOfPagesError, PageTableError, PlanMismatchError
+from .errors import (
+    ArgumentTypeError,
+    CupagedError,
+    DeviceMismatchError,
+    DTypeError,
+    InvalidArgumentError,
+    LayoutError,
+    NoGPUError,
+    OutOfPagesError,
+    PageTableError,
+    PlanMismatchError,
+    ShapeError,
+    UnknownSequenceError,
+    UnsupportedConfigError,
+)
 from .merge import merge_states
 from .page_table import DeviceTable, PageTable, build_page_table
 from .plan import DecodePlan, plan_decode
@@ -21,10 +35,15 @@ from .pool import BlockPool, PageCopy, SequenceState, apply_page_copies
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "BlockPool",
     "CupagedError",
+    "DTypeError",
     "DecodePlan",
+    "DeviceMismatchError",
     "DeviceTable",
+    "InvalidArgumentError",
+    "LayoutError",
     "METHODS",
     "NoGPUError",
     "OutOfPagesError",
@@ -34,6 +53,9 @@ __all__ = [
     "PlanMismatchError",
     "Selection",
     "SequenceState",
+    "ShapeError",
+    "UnknownSequenceError",
+    "UnsupportedConfigError",
     "apply_page_copies",
     "build_page_table",
     "decode",

@@ -108,7 +108,9 @@ def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
     if k_cache.shape != v_cache.shape:
         raise ShapeError(f"k_cache and v_cache must have one shape, got {k_cache.shape} and {v_cache.shape}")
     if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise DTypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+        raise DTypeError(
+            f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
     try:
         name = _configs.dtype_name(q.dtype)
     except ValueError:
@@ -119,11 +121,15 @@ def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_qo_heads, q_dim = q.shape
     if q_dim != head_dim:
-        raise ShapeError(f"q's head_dim (q.shape[2] = {q_dim}) must equal the caches' head_dim (k_cache.shape[3] = {head_dim})")
+        raise ShapeError(
+            f"q's head_dim (q.shape[2] = {q_dim}) must equal the caches' head_dim (k_cache.shape[3] = {head_dim})"
+        )
     if not (num_kv_heads and num_qo_heads and head_dim) or num_qo_heads % num_kv_heads:
         _raise_heads(num_qo_heads, num_kv_heads, head_dim)
     if page_size != table.page_size:
-        raise ShapeError(f"the caches' page_size (k_cache.shape[1] = {page_size}) must equal table.page_size ({table.page_size})")
+        raise ShapeError(
+            f"the caches' page_size (k_cache.shape[1] = {page_size}) must equal table.page_size ({table.page_size})"
+        )
     if batch != table.batch_size:
         raise ShapeError(f"q's batch (q.shape[0] = {batch}) must equal table.batch_size ({table.batch_size} requests)")
     table.check_page_ids(num_pages)
@@ -203,7 +209,9 @@ def _check_out(out, q):
 
 def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str) -> None:
     if not isinstance(plan, DecodePlan):
-        raise ArgumentTypeError(f"plan must be a cupaged.DecodePlan from plan_decode or None, got {type(plan).__name__}")
+        raise ArgumentTypeError(
+            f"plan must be a cupaged.DecodePlan from plan_decode or None, got {type(plan).__name__}"
+        )
     _, num_qo_heads, head_dim = q.shape
     expected = (num_qo_heads, k_cache.shape[2], head_dim, dtype_name)
     got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, _configs.dtype_name(plan.dtype))

@@ -8,6 +8,8 @@ from . import _configs
 from ._device import require_gpu
 from . import _loader
 from .decode import _NULL, _THREADS, _as_cupy, _elem_strides
+from .errors import (DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError, ShapeError,
+                     UnsupportedConfigError)
 
 
 def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = True):
@@ -25,9 +27,13 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
         o_indptr: ``[M + 1]`` int32 (NumPy or CuPy), non-decreasing, from 0 to
             at most N.
         out_dtype: float32 (default), float16 or ``ml_dtypes.bfloat16``.
-        validate: check ``o_indptr`` on the host (copies it there if it is a
-            CuPy array, which synchronizes); pass False on a hot path with a
-            trusted, device-resident ``o_indptr``.
+        validate: check ``o_indptr``'s values on the host (starts at 0,
+            never decreases, ends at most at N; a CuPy ``o_indptr`` is copied
+            there, which synchronizes); pass False on a hot path with a
+            trusted, device-resident ``o_indptr``. Its dtype, rank, length,
+            contiguity and device are checked either way (O(1)). ``lse`` is
+            not checked for NaN or ``+inf`` (garbage in, garbage out; the
+            float64 :func:`cupaged.reference.merge_states` rejects them).
 
     Returns:
         ``(v_out [M, num_heads, head_dim] out_dtype, lse_out [M, num_heads]
@@ -35,12 +41,20 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
         Merges chain (lse_out is log2) and regroup associatively.
 
     Raises:
-        TypeError (``v`` or ``lse`` not a CuPy/CUDA array), ValueError
-        (shapes, dtypes, non-contiguous ``v``/``lse``, head_dim other than
-        64/128/256, an unsupported ``out_dtype``, ``o_indptr`` not a 1-D int32
-        array, or with ``validate`` one that is empty, does not start at 0,
-        decreases or ends beyond N), NoGPUError (no CUDA device; checked
-        first).
+        Each a :class:`~cupaged.errors.CupagedError` and the builtin in
+        brackets. ArgumentTypeError [TypeError] (``v`` or ``lse`` not a
+        CuPy/CUDA array), ShapeError [ValueError] (``v`` not 3-D, ``lse`` not
+        ``[N, num_heads]``, ``o_indptr`` not 1-D or empty), DTypeError
+        [ValueError] (``v``/``lse`` not float32, ``o_indptr`` not int32
+        (int64 included: never cast), an unsupported ``out_dtype``),
+        LayoutError [ValueError] (``v``/``lse`` not C-contiguous, a strided
+        CuPy ``o_indptr``), DeviceMismatchError [ValueError] (``lse`` or a
+        CuPy ``o_indptr`` on another device than ``v``; ``v`` not on the
+        current device),
+        UnsupportedConfigError [ValueError] (head_dim other than 64/128/256),
+        InvalidArgumentError [ValueError] (with ``validate``: an
+        ``o_indptr`` that does not start at 0, decreases or ends beyond N),
+        NoGPUError [RuntimeError] (no CUDA device; checked first).
 
     Example (needs a GPU)::
 
@@ -56,25 +70,87 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
     import cupy
 
     v, lse = _as_cupy(v, "v"), _as_cupy(lse, "lse")
-    if v.ndim != 3 or v.dtype != np.float32 or not v.flags.c_contiguous:
-        raise ValueError(f"v must be a C-contiguous float32 [N, num_heads, head_dim] array, got {v.shape} {v.dtype}")
-    if lse.shape != v.shape[:2] or lse.dtype != np.float32 or not lse.flags.c_contiguous:
-        raise ValueError(f"lse must be a C-contiguous float32 array of shape {v.shape[:2]}, got {lse.shape} {lse.dtype}")
-    _configs.check_head_dim(v.shape[2])
-    out_name = _configs.dtype_name(out_dtype)
-    if getattr(o_indptr, "dtype", None) != np.int32 or getattr(o_indptr, "ndim", 0) != 1:
-        raise ValueError("o_indptr must be a 1-D int32 array")
-    if validate:
-        host = o_indptr.get() if isinstance(o_indptr, cupy.ndarray) else np.asarray(o_indptr)
-        if host.size == 0 or host[0] != 0 or np.any(np.diff(host) < 0) or host[-1] > v.shape[0]:
-            raise ValueError(f"o_indptr must start at 0, never decrease and end at most at N={v.shape[0]}")
-    d_indptr = cupy.asarray(o_indptr)
+    out_name = _check_merge_inputs(v, lse, o_indptr, out_dtype, validate)
+    current = cupy.cuda.runtime.getDevice()
+    if v.data.device_id != current:
+        raise DeviceMismatchError(
+            f"v and lse are on device {v.data.device_id} but the current device is {current}; "
+            f"call merge_states inside `with cupy.cuda.Device({v.data.device_id}):`"
+        )
+    d_indptr = o_indptr if isinstance(o_indptr, cupy.ndarray) else cupy.asarray(np.ascontiguousarray(o_indptr))
     rows = d_indptr.shape[0] - 1
     v_out = cupy.empty((rows, v.shape[1], v.shape[2]), dtype=np.dtype(out_dtype) if out_name != "bfloat16" else out_dtype)
     lse_out = cupy.empty((rows, v.shape[1]), dtype=cupy.float32)
     if rows > 0 and v.shape[1] > 0:
         _launch_merge(v, lse, d_indptr, rows, v_out, lse_out)
     return v_out, lse_out
+
+
+def _check_merge_inputs(v, lse, o_indptr, out_dtype, validate: bool) -> str:
+    """merge_states' checks; returns the output dtype's name. O(1) unless
+    ``validate`` (which reads ``o_indptr`` on the host)."""
+    if v.ndim != 3:
+        raise ShapeError(f"v must be 3-D [N, num_heads, head_dim], got shape {v.shape}")
+    if v.dtype != np.float32:
+        raise DTypeError(f"v must be float32 (the partial kernel's workspace dtype), got {v.dtype}")
+    if not v.flags.c_contiguous:
+        raise LayoutError(f"v must be C-contiguous (the kernel reads it as one block), got strides {v.strides}")
+    if lse.shape != v.shape[:2]:
+        raise ShapeError(f"lse must have shape {v.shape[:2]} ([N, num_heads] of v), got {lse.shape}")
+    if lse.dtype != np.float32:
+        raise DTypeError(f"lse must be float32 (log2 units), got {lse.dtype}")
+    if not lse.flags.c_contiguous:
+        raise LayoutError(f"lse must be C-contiguous, got strides {lse.strides}")
+    if lse.data.device_id != v.data.device_id:
+        raise DeviceMismatchError(f"lse must be on v's device {v.data.device_id}, got device {lse.data.device_id}")
+    try:
+        _configs.check_head_dim(v.shape[2])
+    except ValueError as e:
+        raise UnsupportedConfigError(f"v's head_dim: {e}") from None
+    try:
+        out_name = _configs.dtype_name(out_dtype)
+    except ValueError:
+        raise DTypeError(
+            f"out_dtype must be one of {', '.join(_configs.DTYPES)}, got {out_dtype!r}"
+        ) from None
+    dtype = getattr(o_indptr, "dtype", None)
+    ndim = getattr(o_indptr, "ndim", None)
+    if dtype is None or ndim is None:  # a list, say: a ValueError, as before these classes existed
+        raise DTypeError(f"o_indptr must be a 1-D int32 NumPy or CuPy array, got {type(o_indptr).__name__}")
+    if ndim != 1 or o_indptr.shape[0] < 1:
+        raise ShapeError(f"o_indptr must be 1-D [M+1] with M+1 >= 1 entries, got shape {o_indptr.shape}")
+    if dtype != np.int32:
+        raise DTypeError(f"o_indptr must be int32 (the kernel reads int32), got {dtype}; it is never cast")
+    device_id = _device_id(o_indptr)
+    if device_id is not None:
+        if device_id != v.data.device_id:
+            raise DeviceMismatchError(f"o_indptr must be on v's device {v.data.device_id}, got device {device_id}")
+        if o_indptr.shape[0] > 1 and o_indptr.strides[0] != 4:
+            raise LayoutError(
+                f"a CuPy o_indptr must be contiguous (the kernel reads it as one), got strides {o_indptr.strides}"
+            )
+    if validate:
+        host = o_indptr.get() if device_id is not None else np.asarray(o_indptr)
+        n = v.shape[0]
+        if host[0] != 0:
+            raise InvalidArgumentError(f"o_indptr must start at 0, got o_indptr[0]={int(host[0])}")
+        bad = np.flatnonzero(np.diff(host) < 0)
+        if bad.size:
+            r = int(bad[0])
+            raise InvalidArgumentError(
+                f"o_indptr must never decrease, but o_indptr[{r}]={int(host[r])} > o_indptr[{r + 1}]={int(host[r + 1])}"
+            )
+        if host[-1] > n:
+            raise InvalidArgumentError(
+                f"o_indptr must end at most at N={n} (rows of v), got o_indptr[-1]={int(host[-1])}"
+            )
+    return out_name
+
+
+def _device_id(a) -> int | None:
+    """The CUDA device of a CuPy array; None for a host (NumPy) array."""
+    data = getattr(a, "data", None)
+    return getattr(data, "device_id", None)
 
 
 def _launch_merge(v, v_lse, o_indptr, rows: int, out, lse):

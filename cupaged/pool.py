@@ -17,7 +17,8 @@ and independent of the order pages were released in.
 
 Every operation validates all of its inputs and checks that enough pages are
 free before it changes anything, so a failure (:class:`OutOfPagesError`,
-``KeyError`` for an unknown sequence, ``ValueError`` for a bad count or id)
+:class:`UnknownSequenceError` (a ``KeyError``) for an unknown sequence,
+:class:`InvalidArgumentError` (a ``ValueError``) for a bad count or id)
 leaves refcounts, the free list and every sequence exactly as they were.
 """
 
@@ -30,7 +31,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .errors import OutOfPagesError
+from .errors import InvalidArgumentError, OutOfPagesError, UnknownSequenceError
 from .page_table import MAX_PAGE_SIZE, PageTable, _build_page_table
 
 __all__ = ["SequenceState", "PageCopy", "BlockPool", "apply_page_copies"]
@@ -99,15 +100,15 @@ class PageCopy:
 
 
 def _count(name: str, value: Any) -> int:
-    """``value`` as a non-negative int, else ``ValueError``."""
+    """``value`` as a non-negative int, else :class:`InvalidArgumentError`."""
     if isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+        raise InvalidArgumentError(f"{name} must be an int, got {type(value).__name__}") from None
     if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
+        raise InvalidArgumentError(f"{name} must be >= 0, got {n}")
     return n
 
 
@@ -139,10 +140,11 @@ class BlockPool:
 
     Raises:
         OutOfPagesError (a ``MemoryError``): ``append`` or ``fork`` needs more
-        free pages than there are. KeyError: an unknown sequence id.
-        ValueError: a count (``num_pages``, ``n_tokens``, ``window``) or page
-        id that is negative or not an int; a new sequence id that is not an
-        int or already exists; trimming more tokens than are visible; a page
+        free pages than there are. UnknownSequenceError (a ``KeyError``):
+        an unknown sequence id. InvalidArgumentError (a ``ValueError``): a
+        count (``num_pages``, ``n_tokens``, ``window``) or page id that is
+        negative or not an int; a new sequence id that is not an int or
+        already exists; trimming more tokens than are visible; a page
         id ``>= num_pages`` given to ``refcount``; ``page_size`` outside
         ``1..65536``. Every operation checks before it changes anything, so a
         failed one leaves the pool exactly as it was.
@@ -174,7 +176,7 @@ class BlockPool:
         self._num_pages = _count("num_pages", num_pages)
         p = _count("page_size", page_size)
         if not 1 <= p <= MAX_PAGE_SIZE:
-            raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {p}")
+            raise InvalidArgumentError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {p}")
         self._page_size = p
         self._refcount = [0] * self._num_pages
         self._free = list(range(self._num_pages))  # sorted, hence a valid heap
@@ -208,7 +210,8 @@ class BlockPool:
         return self._refcount[self._page_id(page)]
 
     def sequence(self, seq_id: int) -> SequenceState:
-        """Current state of sequence ``seq_id`` (``KeyError`` if unknown)."""
+        """Current state of sequence ``seq_id`` (:class:`UnknownSequenceError`,
+        a ``KeyError``, if unknown)."""
         return self._state(seq_id)
 
     # -- operations --------------------------------------------------------
@@ -216,7 +219,7 @@ class BlockPool:
     def add_sequence(self, seq_id: int | None = None) -> int:
         """Register an empty sequence; return its id (the lowest unused id
         counting up from the last auto-assigned one, when ``seq_id`` is None).
-        A duplicate id raises ``ValueError``."""
+        A duplicate id raises :class:`InvalidArgumentError` (a ``ValueError``)."""
         sid = self._new_id(seq_id)
         self._seqs[sid] = SequenceState((), 0, 0)
         return sid
@@ -226,8 +229,9 @@ class BlockPool:
         the pages newly allocated for them (in token order). The caller writes
         the new K/V at positions ``length .. length + n_tokens - 1``.
 
-        Raises ``KeyError`` (unknown ``seq_id``), ``ValueError``
-        (``n_tokens`` negative or not an int) or :class:`OutOfPagesError`
+        Raises ``UnknownSequenceError`` (a ``KeyError``: unknown ``seq_id``),
+        ``InvalidArgumentError`` (a ``ValueError``: ``n_tokens`` negative
+        or not an int) or :class:`OutOfPagesError`
         (too few free pages; nothing is allocated)."""
         st = self._state(seq_id)
         n = _count("n_tokens", n_tokens)
@@ -251,8 +255,9 @@ class BlockPool:
         either sequence appends. Returns ``(child_id, copies)``; ``child_id``
         None picks an id as :meth:`add_sequence` does.
 
-        Raises ``KeyError`` (unknown ``parent_id``), ``ValueError``
-        (``child_id`` not an int or already in use) or
+        Raises ``UnknownSequenceError`` (a ``KeyError``: unknown
+        ``parent_id``), ``InvalidArgumentError`` (a ``ValueError``:
+        ``child_id`` not an int or already in use) or
         :class:`OutOfPagesError` (no free page for the copy); a failed fork
         changes nothing.
         """
@@ -282,13 +287,14 @@ class BlockPool:
         to the free list at zero. ``length`` (the RoPE offset) is unchanged.
         Returns the pages the sequence dropped.
 
-        Raises ``KeyError`` (unknown ``seq_id``) or ``ValueError``
-        (``n_tokens`` negative, not an int, or more than are visible)."""
+        Raises ``UnknownSequenceError`` (a ``KeyError``: unknown ``seq_id``)
+        or ``InvalidArgumentError`` (a ``ValueError``: ``n_tokens``
+        negative, not an int, or more than are visible)."""
         st = self._state(seq_id)
         n = _count("n_tokens", n_tokens)
         visible = st.length - st.logical_start
         if n > visible:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"cannot trim {n} tokens from sequence {seq_id}: only {visible} visible"
             )
         if n == 0:
@@ -333,12 +339,12 @@ class BlockPool:
         try:
             return self._seqs[seq_id]
         except (KeyError, TypeError):  # TypeError: unhashable id
-            raise KeyError(f"unknown sequence id {seq_id!r}") from None
+            raise UnknownSequenceError(f"unknown sequence id {seq_id!r}") from None
 
     def _page_id(self, page: Any) -> int:
         p = _count("page", page)
         if p >= self._num_pages:
-            raise ValueError(f"page id {p} out of range [0, {self._num_pages})")
+            raise InvalidArgumentError(f"page id {p} out of range [0, {self._num_pages})")
         return p
 
     def _check_new_id(self, seq_id: int | None) -> int:
@@ -349,15 +355,15 @@ class BlockPool:
                 sid += 1
             return sid
         if isinstance(seq_id, bool):
-            raise ValueError(f"sequence id must be an int, got {seq_id!r}")
+            raise InvalidArgumentError(f"sequence id must be an int, got {seq_id!r}")
         try:
             sid = operator.index(seq_id)
         except TypeError:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sequence id must be an int, got {type(seq_id).__name__}"
             ) from None
         if sid in self._seqs:
-            raise ValueError(f"sequence id {sid} already exists")
+            raise InvalidArgumentError(f"sequence id {sid} already exists")
         return sid
 
     def _commit_id(self, sid: int, requested: int | None) -> None:
@@ -407,7 +413,8 @@ def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
     writes (the usual case) the copies run as one gather/scatter per cache;
     otherwise one by one, which keeps the sequential meaning.
 
-    Raises ``ValueError`` (nothing written) for an id that is negative or not
+    Raises :class:`~cupaged.errors.InvalidArgumentError` (a ``ValueError``;
+    nothing written) for an id that is negative or not
     an int, or ``>=`` some cache's first dimension (a 0-d cache included); an
     entry that is neither a :class:`PageCopy` nor a pair fails to unpack
     (``TypeError`` or ``ValueError``).
@@ -424,7 +431,7 @@ def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
     >>> cupaged.apply_page_copies(k, [(0, 4)])
     Traceback (most recent call last):
         ...
-    ValueError: page id 4 out of range for a cache of shape (4, 2)
+    cupaged.errors.InvalidArgumentError: page id 4 out of range for a cache of shape (4, 2)
     """
     arrays = [caches] if hasattr(caches, "shape") else list(caches)
     pairs = []
@@ -436,7 +443,7 @@ def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
     top = max(max(s, d) for s, d in pairs)
     for a in arrays:
         if a.ndim < 1 or a.shape[0] <= top:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"page id {top} out of range for a cache of shape {tuple(a.shape)}"
             )
     srcs = [s for s, _ in pairs]

@@ -34,8 +34,26 @@ Writes ``microbench.csv``, ``microbench.md`` and ``microbench.png`` into
 ``--out-dir`` (or the explicit ``--csv/--md/--png`` paths) and prints a short
 summary table last.
 
-Exit status: 0 ran, 1 a method failed in some cell, 2 bad arguments, 3 no
-CUDA GPU on this machine (message on stderr).
+``--suite issue5`` sweeps the cells of issue #5 instead (:data:`ISSUE5_GROUPS`:
+fp16 and bf16, 32 q / 8 kv heads, head_dim 128, page 16 and 32, batch
+{1,4,8,32,128} x ctx {1024,4096,16384,32768} plus 131072 for batch <= 8; then
+MHA 32q/32kv, 64q/8kv and head_dim 64 at fp16, page 16, batch {1,8,32} x ctx
+{1024,4096,16384}). v2 and FlashInfer run in every cell, v1 and gather only
+where the issue compares against them (main shape, ctx >= 4096; gather is
+skipped where its padded copies would not fit in memory). Timing adapts to
+the cell: the graph holds enough calls for ~0.5 ms (at least one per
+replica), replays fill ~2 ms per repetition, events replace the graph only
+where capture fails, and a repetition above 50 ms runs once. Host time (one
+call at a time, median) is measured in :data:`HOST_CELLS` only. Every target
+is evaluated per cell (scripts/bench_report.py); the CSV, the meta JSON and
+the markdown report are rewritten after every cell, so a run cut short
+leaves what it measured; ``--budget-s`` (default 360) skips cells that would
+not fit and an alarm stops the run 25 s after it. Writes
+``microbench-issue5.{csv,meta.json,md,png}``.
+
+Exit status: 0 ran, 1 a method failed in some cell (or the run was
+interrupted), 2 bad arguments, 3 no CUDA GPU on this machine (message on
+stderr).
 """
 
 from __future__ import annotations
@@ -43,7 +61,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import json
 import math
+import shlex
+import signal
 import statistics
 import sys
 import time
@@ -56,8 +77,9 @@ import numpy as np
 
 try:  # run as a script (scripts/ is sys.path[0]) or imported with scripts/ on the path
     import _common
+    import bench_report
 except ImportError:  # imported as scripts.microbench
-    from scripts import _common
+    from scripts import _common, bench_report
 
 #: The sweeps, declared as data.
 DEFAULT_SWEEP = {"batch": (1, 4, 8, 32), "ctx": (1024, 4096, 16384, 32768), "page_size": (16,)}
@@ -73,7 +95,44 @@ FLASHINFER_VARIANTS = (("cuda_cores", False), ("tensor_cores", True))
 GRAPH_CALLS = 20  # calls captured per graph (at least; a multiple of replicas)
 ROTATE_BYTES = 256 << 20  # rotate copies until this much visible KV is cycled
 MAX_REPLICAS = 64
-FLASHINFER_WORKSPACE_BYTES = 128 << 20
+FLASHINFER_WORKSPACE_BYTES = 256 << 20
+
+#: ``--suite issue5``: (group, dtype, page_size, num_qo_heads, num_kv_heads,
+#: head_dim, cells), in run order (most important first: a run short of time
+#: skips from the end). Cells: "main" = batch x ctx of ISSUE5_MAIN plus
+#: ISSUE5_LONG; "extra" = ISSUE5_EXTRA.
+SUITES = ("issue5",)
+ISSUE5_MAIN = {"batch": (1, 4, 8, 32, 128), "ctx": (1024, 4096, 16384, 32768)}
+ISSUE5_LONG = {"batch": (1, 4, 8), "ctx": (131072,)}
+ISSUE5_EXTRA = {"batch": (1, 8, 32), "ctx": (1024, 4096, 16384)}
+ISSUE5_GROUPS = (
+    ("main-fp16-p16", "float16", 16, 32, 8, 128, "main"),
+    ("main-bf16-p16", "bfloat16", 16, 32, 8, 128, "main"),
+    ("mha-fp16-p16", "float16", 16, 32, 32, 128, "extra"),
+    ("q64kv8-fp16-p16", "float16", 16, 64, 8, 128, "extra"),
+    ("d64-fp16-p16", "float16", 16, 32, 8, 64, "extra"),
+    ("main-fp16-p32", "float16", 32, 32, 8, 128, "main"),
+    ("main-bf16-p32", "bfloat16", 32, 32, 8, 128, "main"),
+)
+#: Main-group cells whose host time per call is measured (batch, ctx).
+HOST_CELLS = ((1, 1024), (8, 4096), (32, 16384), (128, 1024))
+HOST_CALLS = 200  # individually timed calls per host measurement
+SLOW_METHODS_MIN_CTX = bench_report.SLOW_BASELINE_MIN_CTX  # v1 / gather from this ctx on
+SUITE_BUDGET_S = 360.0  # default --budget-s of a suite run (it runs under `timeout 420`)
+HARD_STOP_MARGIN_S = 25  # the alarm that ends an overrunning run fires this long after the budget
+JIT_ESTIMATE_S = 45.0  # first cell of a (dtype, head_dim): FlashInfer JIT (2 modules) + NVRTC
+# adaptive timing (suite mode)
+GRAPH_TARGET_US = 500.0  # GPU time one captured graph should span (at least one call per replica)
+SAMPLE_US = 2000.0  # GPU time one timed repetition should span
+MAX_REPLAYS = 100
+MAX_EVENT_ITERS = 200
+REP_CAP_US = 50_000.0  # a repetition longer than this runs once (reps = 1)
+WARM_REPLAY_MAX_US = 2000.0  # replay once untimed before each repetition when this cheap
+# gather's padded copies: skip it where pool + copies would pass this
+GATHER_MEM_LIMIT_BYTES = 80 << 30
+GATHER_MAX_EST_S = 3.0  # ... or where its estimated calls (~60x v2 each) would take longer
+GATHER_SLOWDOWN_EST = 60.0
+GATHER_EST_CALLS = 3
 
 #: Per-method fields; the CSV has ``<method>_<field>`` for every method.
 METHOD_FIELDS = ("us", "graph_us", "event_us", "host_us", "tbps", "pct_roofline", "spread", "timing", "max_rel_vs_v2")
@@ -100,6 +159,8 @@ CSV_COLUMNS = (
     )
     + tuple(f"{m}_{f}" for m in METHODS for f in METHOD_FIELDS)
     + ("flashinfer_variant", "v2_over_v1", "v2_over_gather", "v2_over_flashinfer")
+    + ("group", "wall_s", "v2_auto_host_us")
+    + bench_report.EVAL_COLUMNS
 )
 MD_COLUMNS = (
     "batch",
@@ -146,7 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="microbench.py",
         description="Time gather, v1, v2 (cupaged) and FlashInfer paged decode on the same cache buffers. "
-        "Lists accept spaces or commas. All requests use first_page_offset=0 (FlashInfer has none).",
+        "Lists accept spaces or commas. All requests use first_page_offset=0 (FlashInfer has none). "
+        "--suite issue5 sweeps issue #5's cells and marks every target met or missed per cell; there the "
+        "axis flags, --dtype and --methods filter the suite's cells and methods, and --iters/--host-iters "
+        "and the head flags are not used (timing adapts to each cell).",
         epilog=_common.EXIT_CODES_EPILOG,
     )
     p.add_argument("--batch", nargs="+", help="batch sizes (default 1 4 8 32)")
@@ -155,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-qo-heads", type=int, default=32)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="float16", choices=_common.DTYPE_NAMES)
-    p.add_argument("--methods", nargs="+", default=[",".join(METHODS)], help="default gather,v1,v2,flashinfer")
+    p.add_argument(
+        "--dtype", nargs="+", default=None, help="float16 (default), bfloat16 or float32; with --suite, a filter"
+    )
+    p.add_argument("--methods", nargs="+", default=None, help="default gather,v1,v2,flashinfer")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --quick 2)")
     p.add_argument(
         "--iters", type=int, default=None, help="timed calls per repetition for (a) and (b) (default 100; --quick 40)"
@@ -173,11 +239,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small sweep (batch 1 8 x ctx 1024 16384) and fewer iterations")
     p.add_argument(
+        "--suite",
+        choices=SUITES,
+        help="issue5: the cells and targets of issue #5 (CSV + report with every target marked per cell)",
+    )
+    p.add_argument(
+        "--groups",
+        nargs="+",
+        help="with --suite: only these groups (" + ", ".join(g[0] for g in ISSUE5_GROUPS) + ")",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"skip cells that would end after this many seconds (default {SUITE_BUDGET_S:.0f} with --suite, "
+        "else none; 0 = none); an alarm stops the run 25 s after it",
+    )
+    p.add_argument("--commit", help="commit to print in the report (default: git rev-parse, else $CUPAGED_COMMIT)")
+    p.add_argument(
         "--out-dir", default="microbench-out", help="folder for the default output paths (default ./microbench-out)"
     )
-    p.add_argument("--csv", help="CSV path (default OUT_DIR/microbench.csv)")
-    p.add_argument("--md", help="markdown path (default OUT_DIR/microbench.md)")
-    p.add_argument("--png", help="plot path (default OUT_DIR/microbench.png)")
+    p.add_argument("--csv", help="CSV path (default OUT_DIR/microbench.csv; --suite: OUT_DIR/microbench-issue5.csv)")
+    p.add_argument("--md", help="markdown path (default OUT_DIR/microbench.md; --suite: ...-issue5.md)")
+    p.add_argument("--png", help="plot path (default OUT_DIR/microbench.png; --suite: ...-issue5.png)")
     return p
 
 
@@ -187,12 +271,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     try:
         for axis in AXES:
             setattr(args, axis, _common.parse_list(getattr(args, axis), int))
-        args.methods = _common.parse_list(args.methods, str)
+        args.methods = _common.parse_list(args.methods or [",".join(METHODS)], str)
+        args.dtypes = _common.parse_list(args.dtype, str)
+        args.groups = _common.parse_list(args.groups, str)
     except ValueError as e:
         parser.error(str(e))
     for m in args.methods:
         if m not in METHODS:
             parser.error(f"--methods {m}: choose from {', '.join(METHODS)}")
+    for d in args.dtypes or ():
+        if d not in _common.DTYPE_NAMES:
+            parser.error(f"--dtype {d}: choose from {', '.join(_common.DTYPE_NAMES)}")
+    if args.suite:
+        if args.quick:
+            parser.error("--quick and --suite do not combine")
+        names = [g[0] for g in ISSUE5_GROUPS]
+        for g in args.groups or ():
+            if g not in names:
+                parser.error(f"--groups {g}: choose from {', '.join(names)}")
+        if args.budget_s is None:
+            args.budget_s = SUITE_BUDGET_S
+    else:
+        if args.groups:
+            parser.error("--groups needs --suite")
+        if args.dtypes and len(args.dtypes) > 1:
+            parser.error("--dtype takes one value without --suite")
+    args.dtype = args.dtypes[0] if args.dtypes and not args.suite else "float16"
+    if args.budget_s is not None and args.budget_s < 0:
+        parser.error("--budget-s must be >= 0")
     settings = QUICK_SETTINGS if args.quick else DEFAULT_SETTINGS
     for name, value in settings.items():
         if getattr(args, name) is None:
@@ -207,9 +313,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_qo_heads % args.num_kv_heads:
         parser.error("--num-qo-heads must be a multiple of --num-kv-heads")
     out = Path(args.out_dir)
-    args.csv = args.csv or str(out / "microbench.csv")
-    args.md = args.md or str(out / "microbench.md")
-    args.png = args.png or str(out / "microbench.png")
+    stem = f"microbench-{args.suite}" if args.suite else "microbench"
+    args.csv = args.csv or str(out / f"{stem}.csv")
+    args.md = args.md or str(out / f"{stem}.md")
+    args.png = args.png or str(out / f"{stem}.png")
     return args
 
 
@@ -218,8 +325,95 @@ def sweep_axes(args: argparse.Namespace) -> dict:
 
 
 def cells(args: argparse.Namespace) -> list[dict]:
+    if args.suite:
+        return suite_cells(args)
     axes = sweep_axes(args)
     return [dict(zip(AXES, values, strict=True)) for values in itertools.product(*(axes[a] for a in AXES))]
+
+
+def suite_cells(args: argparse.Namespace) -> list[dict]:
+    """The ``--suite issue5`` cells in run order, each a dict with the axes,
+    the shape (``group``, ``dtype``, heads, ``head_dim``), the ``methods`` to
+    time there and ``host`` (measure host time per call). Axis flags,
+    ``--dtype``, ``--methods`` and ``--groups`` filter."""
+    out = []
+    for group, dtype, page_size, hq, hkv, head_dim, kind in ISSUE5_GROUPS:
+        if args.groups and group not in args.groups:
+            continue
+        if args.dtypes and dtype not in args.dtypes:
+            continue
+        if args.page_size and page_size not in args.page_size:
+            continue
+        if kind == "main":
+            pairs = list(itertools.product(ISSUE5_MAIN["batch"], ISSUE5_MAIN["ctx"]))
+            pairs += list(itertools.product(ISSUE5_LONG["batch"], ISSUE5_LONG["ctx"]))
+        else:
+            pairs = list(itertools.product(ISSUE5_EXTRA["batch"], ISSUE5_EXTRA["ctx"]))
+        for batch, ctx in pairs:
+            if (args.batch and batch not in args.batch) or (args.ctx and ctx not in args.ctx):
+                continue
+            methods = ["v2", "flashinfer"]
+            if kind == "main" and ctx >= SLOW_METHODS_MIN_CTX:
+                methods += ["v1", "gather"]
+            methods = tuple(m for m in methods if m in args.methods)
+            if not methods:
+                continue
+            out.append(
+                {
+                    "batch": batch,
+                    "ctx": ctx,
+                    "page_size": page_size,
+                    "group": group,
+                    "dtype": dtype,
+                    "num_qo_heads": hq,
+                    "num_kv_heads": hkv,
+                    "head_dim": head_dim,
+                    "methods": methods,
+                    "host": kind == "main" and (batch, ctx) in HOST_CELLS,
+                }
+            )
+    return out
+
+
+def cell_shape(cell: dict, args: argparse.Namespace) -> tuple[str, int, int, int]:
+    """``(dtype, num_qo_heads, num_kv_heads, head_dim)`` of a cell (suite
+    cells carry their own, sweep cells take the flags)."""
+    return (
+        cell.get("dtype", args.dtype),
+        cell.get("num_qo_heads", args.num_qo_heads),
+        cell.get("num_kv_heads", args.num_kv_heads),
+        cell.get("head_dim", args.head_dim),
+    )
+
+
+def cell_label(cell: dict, args: argparse.Namespace) -> str:
+    dtype, hq, hkv, head_dim = cell_shape(cell, args)
+    short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+    return f"{short} {hq}q/{hkv}kv D{head_dim} P{cell['page_size']} b{cell['batch']} ctx{cell['ctx']}"
+
+
+def estimate_cell_s(cell: dict, args: argparse.Namespace, jit_pending: bool) -> float:
+    """Rough wall time of one suite cell, for the budget: fixed host cost,
+    filling the pools (2x slack, rotated up to 256 MiB), the timed GPU work,
+    gather's few slow calls, and the JIT when the cell's (dtype, head_dim) is
+    new in this process.
+
+    Example: fp16 batch 128 x ctx 32768 (17 GB of KV) ~ 2.5 s; batch 1 x
+    ctx 1024 ~ 0.4 s; +45 s for the first cell of a dtype/head_dim.
+    """
+    dtype, _, hkv, head_dim = cell_shape(cell, args)
+    itemsize = 4 if dtype == "float32" else 2
+    kv = 2 * cell["batch"] * cell["ctx"] * hkv * head_dim * itemsize
+    pool = 2 * max(kv, ROTATE_BYTES)
+    est = 0.35 + pool / 40e9  # setup, random fill, frees
+    methods = cell.get("methods", args.methods)
+    v2_s = kv / 3.0e12 + 15e-6
+    est += len(methods) * 12 * v2_s  # ~12 calls' worth of GPU time per method (v1 ~3x v2: counted in gather's slack)
+    if "gather" in methods:
+        est += GATHER_EST_CALLS * (0.001 + kv / 100e9) + 0.05 + cell["batch"] * cell["ctx"] * 3e-8
+    if jit_pending:
+        est += JIT_ESTIMATE_S
+    return est
 
 
 def num_replicas(kv_bytes: int) -> int:
@@ -240,7 +434,14 @@ def graph_calls(replicas: int) -> int:
 class Runner:
     """One timed method: ``calls[k]`` runs it on replica ``k``; ``out`` is
     the cupy array it writes; ``context()`` makes the benchmark stream
-    current (for cupy, and for torch when it is FlashInfer)."""
+    current (for cupy, and for torch when it is FlashInfer).
+
+    The schedule (set by :func:`prepare`): ``n_graph`` calls per captured
+    graph, ``replays`` timed replays, ``iters`` event-timed calls
+    (``events_always``: also when a graph exists), ``host_iters`` calls
+    timed together for host time, ``reps`` repetitions; ``host_calls``
+    individually timed calls after the repetitions (suite mode), with
+    ``host_extra`` = ``{column: call}`` timed the same way."""
 
     name: str
     calls: list
@@ -251,6 +452,18 @@ class Runner:
     max_rel_vs_v2: float | None = None
     error: str = ""
     samples: dict = field(default_factory=lambda: {"graph": [], "event": [], "host": []})
+    n_graph: int = 0
+    replays: int = 0
+    iters: int = 0
+    event_warm: int = 3
+    events_always: bool = True
+    warm_replay: bool = True
+    host_iters: int = 0
+    host_calls: int = 0
+    host_extra: dict = field(default_factory=dict)
+    host_extra_us: dict = field(default_factory=dict)
+    reps: int = 1
+    est_us: float | None = None
 
 
 def _short(e: BaseException) -> str:
@@ -284,17 +497,77 @@ def capture_graph(runner: Runner, stream, n_calls: int):
     return graph
 
 
-def prepare(runner: Runner, stream, n_graph: int, anchor) -> None:
-    """Warm-up outside capture (compiles, caches the device table, fills the
-    pools), a sanity check of replica 0 against the v2 output, then capture."""
+def adaptive_graph_calls(est_us: float, replicas: int) -> int:
+    """Calls per captured graph in suite mode: enough for
+    :data:`GRAPH_TARGET_US` of GPU time, at most :data:`GRAPH_CALLS`, at
+    least one, rounded up to a multiple of ``replicas``.
+
+    >>> adaptive_graph_calls(12.0, 64), adaptive_graph_calls(75.0, 1), adaptive_graph_calls(4000.0, 1)
+    (64, 7, 1)
+    """
+    n = max(1, min(GRAPH_CALLS, math.ceil(GRAPH_TARGET_US / max(est_us, 1e-3))))
+    return replicas * math.ceil(n / replicas)
+
+
+def adaptive_repeats(span_us: float, reps: int, target_us: float = SAMPLE_US, cap: int = MAX_REPLAYS) -> tuple[int, int]:
+    """``(repeats, reps)`` for a unit of work taking ``span_us`` (one graph
+    replay, or one call when timed with events): repeats fill ``target_us``
+    per repetition (1..cap); a repetition longer than :data:`REP_CAP_US`
+    runs once.
+
+    >>> adaptive_repeats(768.0, 3), adaptive_repeats(4800.0, 3), adaptive_repeats(150_000.0, 3)
+    ((3, 3), (1, 3), (1, 1))
+    """
+    repeats = max(1, min(cap, math.ceil(target_us / max(span_us, 1e-3))))
+    return repeats, (reps if repeats * span_us <= REP_CAP_US else 1)
+
+
+def _time_calls(runner: Runner, stream, calls) -> float:
+    """GPU time (us) of ``calls`` launched back to back, CUDA events."""
     import cupy
 
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    with runner.context():
+        start.record(stream)
+        for call in calls:
+            call()
+        end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3
+
+
+def _time_replay(graph, stream) -> float:
+    import cupy
+
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record(stream)
+    graph.launch(stream)
+    end.record(stream)
+    end.synchronize()
+    return cupy.cuda.get_elapsed_time(start, end) * 1e3
+
+
+def prepare(runner: Runner, stream, n_graph: int, anchor, *, adaptive: bool = False, reps: int = 1) -> None:
+    """Warm-up outside capture (compiles, caches the device table, fills the
+    pools), a sanity check of replica 0 against the v2 output, then capture.
+
+    ``adaptive`` (suite mode): time one call (``est_us``), size the graph
+    with :func:`adaptive_graph_calls` (``n_graph`` is ignored), time one
+    replay and size replays/reps with :func:`adaptive_repeats`; events only
+    where capture failed. Gather warms up on replica 0 only (its calls are
+    slow and need no rotation to be warm)."""
+    import cupy
+
+    slow = adaptive and runner.name == "gather"
     try:
         with runner.context():
-            for call in runner.calls:
+            for call in runner.calls[:1] if slow else runner.calls:
                 call()
-            runner.calls[0]()
+            if not slow:
+                runner.calls[0]()  # out holds replica 0's result for the check
         stream.synchronize()
+        if adaptive:
+            runner.est_us = _time_calls(runner, stream, runner.calls[:1])
     except Exception as e:
         runner.error = _short(e)
         runner.timing = f"error: {runner.error}"
@@ -304,47 +577,102 @@ def prepare(runner: Runner, stream, n_graph: int, anchor) -> None:
         with stream:
             ref = anchor.astype(cupy.float32)
             diff = cupy.abs(runner.out.astype(cupy.float32) - ref).max() / cupy.abs(ref).max()
-            runner.max_rel_vs_v2 = float(diff.get())
+            runner.max_rel_vs_v2 = float(diff)  # a 0-d device array: one sync
+    if adaptive:
+        n_graph = adaptive_graph_calls(runner.est_us, len(runner.calls))
+    runner.n_graph = n_graph
     try:
         runner.graph = capture_graph(runner, stream, n_graph)
         runner.timing = "graph"
     except Exception as e:
         runner.graph = None
         runner.timing = f"events (capture failed: {_short(e)})"
+    if not adaptive:
+        return
+    runner.events_always = False
+    if runner.graph is not None:
+        replay_us = _time_replay(runner.graph, stream)
+        runner.replays, runner.reps = adaptive_repeats(replay_us, reps)
+        runner.warm_replay = replay_us <= WARM_REPLAY_MAX_US
+    else:
+        runner.iters, runner.reps = adaptive_repeats(runner.est_us, reps, cap=MAX_EVENT_ITERS)
+        runner.event_warm = 1 if runner.est_us < 1000.0 else 0
 
 
-def sample(runner: Runner, stream, n_graph: int, iters: int, host_iters: int) -> None:
-    """One repetition of (a) graph replay, (b) events, (c) host time."""
+def schedule_text(runner: Runner) -> str:
+    """What was timed, for the CSV's ``*_timing`` column in suite mode."""
+    if runner.graph is not None:
+        text = f"{runner.replays} replays of {runner.n_graph} calls"
+    else:
+        text = f"{runner.iters} calls"
+    text += f", {runner.reps} reps"
+    if runner.est_us is not None:
+        text += f", first call {runner.est_us:.4g} us"
+    return text
+
+
+def sample(runner: Runner, stream) -> None:
+    """One repetition of (a) graph replay, (b) events (``runner.iters``
+    calls; in suite mode only without a graph), (c) host time
+    (``runner.host_iters`` calls without a sync)."""
     import cupy
 
     calls = runner.calls
     r = len(calls)
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    if runner.graph is not None:
-        replays = max(3, math.ceil(iters / n_graph))
-        runner.graph.launch(stream)
+    if runner.graph is not None and runner.replays:
+        replays = runner.replays
+        if runner.warm_replay:
+            runner.graph.launch(stream)
         start.record(stream)
         for _ in range(replays):
             runner.graph.launch(stream)
         end.record(stream)
         end.synchronize()
-        runner.samples["graph"].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / (replays * n_graph))
+        runner.samples["graph"].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / (replays * runner.n_graph))
     with runner.context():
-        for k in range(min(r, 3)):
-            calls[k]()
-        start.record(stream)
-        for k in range(iters):
-            calls[k % r]()
-        end.record(stream)
-        end.synchronize()
-        runner.samples["event"].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / iters)
+        if runner.iters and (runner.events_always or runner.graph is None):
+            for k in range(min(r, runner.event_warm)):
+                calls[k]()
+            start.record(stream)
+            for k in range(runner.iters):
+                calls[k % r]()
+            end.record(stream)
+            end.synchronize()
+            runner.samples["event"].append(cupy.cuda.get_elapsed_time(start, end) * 1e3 / runner.iters)
+        if runner.host_iters:
+            stream.synchronize()
+            t0 = time.perf_counter()
+            for k in range(runner.host_iters):
+                calls[k % r]()
+            t1 = time.perf_counter()
+            stream.synchronize()
+            runner.samples["host"].append((t1 - t0) * 1e6 / runner.host_iters)
+
+
+def host_call_times(call, stream, n: int) -> list[float]:
+    """Host time (us) of ``n`` calls timed one at a time, each launched onto
+    an idle stream (synchronized before, outside the timed span)."""
+    out = []
+    for _ in range(n):
         stream.synchronize()
         t0 = time.perf_counter()
-        for k in range(host_iters):
-            calls[k % r]()
-        t1 = time.perf_counter()
-        stream.synchronize()
-        runner.samples["host"].append((t1 - t0) * 1e6 / host_iters)
+        call()
+        out.append((time.perf_counter() - t0) * 1e6)
+    stream.synchronize()
+    return out
+
+
+def measure_host(runner: Runner, stream) -> None:
+    """Suite mode: median host time of ``runner.host_calls`` single calls
+    (replica 0) into ``samples["host"]``, and of each ``host_extra`` call."""
+    if not runner.host_calls or runner.error:
+        return
+    with runner.context():
+        runner.samples["host"] = host_call_times(runner.calls[0], stream, runner.host_calls)
+        for column, call in runner.host_extra.items():
+            call()
+            runner.host_extra_us[column] = statistics.median(host_call_times(call, stream, runner.host_calls))
 
 
 def summarize_runner(runner: Runner, total_bytes: int) -> dict:
@@ -355,6 +683,8 @@ def summarize_runner(runner: Runner, total_bytes: int) -> dict:
     med = {k: statistics.median(v) for k, v in runner.samples.items() if v}
     primary_key = "graph" if runner.samples["graph"] else "event"
     primary = runner.samples[primary_key]
+    if not primary:
+        return out
     us = med[primary_key]
     tbps = total_bytes / (us * 1e-6) / 1e12
     out.update(
@@ -364,7 +694,7 @@ def summarize_runner(runner: Runner, total_bytes: int) -> dict:
         host_us=med.get("host"),
         tbps=tbps,
         pct_roofline=100.0 * tbps * 1e12 / _common.ROOFLINE_BPS,
-        spread=(max(primary) - min(primary)) / us,
+        spread=(max(primary) - min(primary)) / us if len(primary) > 1 else None,
     )
     return out
 
@@ -490,29 +820,58 @@ def run_cell(
         _common.free_gpu_memory()
 
 
+def pool_bytes(layout: _common.BatchLayout, num_kv_heads: int, head_dim: int, itemsize: int, replicas: int) -> int:
+    """K and V pools of every replica (the whole pool, slack included)."""
+    return 2 * replicas * layout.num_pages * layout.page_size * num_kv_heads * head_dim * itemsize
+
+
+def gather_skip_reason(kv: int, pools: int, dtype: str, v2_est_us: float | None = None) -> str:
+    """Why the gather path is not timed in a cell ("" = time it): its padded
+    copies (~1.5x the visible KV, 3x for bfloat16, computed in float32) on
+    top of the pools would pass :data:`GATHER_MEM_LIMIT_BYTES`, or its
+    estimated calls (:data:`GATHER_SLOWDOWN_EST` x v2 each) would take
+    longer than :data:`GATHER_MAX_EST_S`.
+
+    Example: fp16 batch 128 x ctx 32768 (17.2 GB KV, 34.4 GB pools) needs
+    ~61 GB: timed; bfloat16 ~87 GB: skipped.
+    """
+    widen = 2.0 if dtype == "bfloat16" else 1.0
+    need = pools + 1.5 * widen * kv + (1 << 30)
+    if need > GATHER_MEM_LIMIT_BYTES:
+        return f"skipped: memory (pools + padded copies ~{need / 2**30:.0f} GiB > {GATHER_MEM_LIMIT_BYTES >> 30} GiB)"
+    if v2_est_us is not None:
+        est_s = GATHER_EST_CALLS * GATHER_SLOWDOWN_EST * v2_est_us * 1e-6
+        if est_s > GATHER_MAX_EST_S:
+            return f"skipped: time (~{est_s:.1f} s estimated > {GATHER_MAX_EST_S:.0f} s)"
+    return ""
+
+
 def _measure_cell(
     cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None
 ) -> tuple[dict, list[str], list[str]]:
     import cupaged
 
-    dtype = _common.resolve_dtype(args.dtype)
+    dtype_name, num_qo_heads, num_kv_heads, head_dim = cell_shape(cell, args)
+    methods = tuple(cell.get("methods", args.methods))
+    adaptive = bool(args.suite)
+    dtype = _common.resolve_dtype(dtype_name)
     layout = _common.plan_layout(
         cell["batch"], cell["ctx"], cell["page_size"], seed=args.seed, mid_page=False, page_order=args.page_order
     )
-    kv = _common.kv_bytes(layout, args.num_kv_heads, args.head_dim, dtype.itemsize)
-    total = _common.decode_bytes(layout, args.num_qo_heads, args.num_kv_heads, args.head_dim, dtype.itemsize)
+    kv = _common.kv_bytes(layout, num_kv_heads, head_dim, dtype.itemsize)
+    total = _common.decode_bytes(layout, num_qo_heads, num_kv_heads, head_dim, dtype.itemsize)
     replicas = num_replicas(kv)
     n_graph = graph_calls(replicas)
     batch = _common.make_device_batch(
-        layout, args.num_qo_heads, args.num_kv_heads, args.head_dim, dtype, seed=args.seed, replicas=replicas
+        layout, num_qo_heads, num_kv_heads, head_dim, dtype, seed=args.seed, replicas=replicas
     )
-    plan = cupaged.plan_decode(batch.table, args.num_qo_heads, args.num_kv_heads, args.head_dim, dtype)
+    plan = cupaged.plan_decode(batch.table, num_qo_heads, num_kv_heads, head_dim, dtype)
     row = {
-        **cell,
-        "num_qo_heads": args.num_qo_heads,
-        "num_kv_heads": args.num_kv_heads,
-        "head_dim": args.head_dim,
-        "dtype": args.dtype,
+        **{a: cell[a] for a in AXES},
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype_name,
         "page_order": args.page_order,
         "replicas": replicas,
         "graph_calls": n_graph,
@@ -523,11 +882,14 @@ def _measure_cell(
         "v2_num_chunks": int(plan.num_chunks),
         "v2_num_ctas": int(plan.num_ctas),
         "v2_needs_merge": bool(plan.needs_merge),
+        "group": cell.get("group", ""),
     }
+    if adaptive:
+        row["graph_calls"] = None  # per method, adaptive (see the docstring)
     failures, notes = [], []
 
     anchor = None  # v2 output of replica 0: sanity check of every method
-    if "v2" in args.methods:
+    if "v2" in methods:
         try:
             with stream:
                 anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
@@ -535,33 +897,63 @@ def _measure_cell(
         except Exception as e:
             failures.append(f"v2 anchor: {_short(e)}")
 
+    # v2 first: in suite mode its time estimate decides whether gather runs
+    order = sorted(methods, key=lambda m: ("v2", "flashinfer", "v1", "gather").index(m))
     runners = []
-    for method in args.methods:
+    for method in order:
         if method == "flashinfer":
             if flashinfer is not None and flashinfer.available:
                 try:
-                    runners += flashinfer.runners(batch, stream)
+                    new = flashinfer.runners(batch, stream)
                 except Exception as e:
                     notes.append(f"flashinfer setup: {_short(e)}")
+                    continue
+            else:
+                continue
         else:
-            runners.append(cupaged_runner(method, batch, plan, stream))
-    for runner in runners:
-        if not runner.error:
-            prepare(runner, stream, n_graph, anchor)
-    for _ in range(args.reps):
+            if adaptive and method == "gather":
+                v2_est = next((r.est_us for r in runners if r.name == "v2"), None)
+                pools = pool_bytes(layout, num_kv_heads, head_dim, dtype.itemsize, replicas)
+                reason = gather_skip_reason(kv, pools, dtype_name, v2_est)
+                if reason:
+                    row["gather_timing"] = reason
+                    notes.append(f"gather {reason}")
+                    continue
+            new = [cupaged_runner(method, batch, plan, stream)]
+        for runner in new:
+            if adaptive and cell.get("host") and runner.name in ("v2", "flashinfer_cuda_cores", "flashinfer_tensor_cores"):
+                runner.host_calls = HOST_CALLS
+                if runner.name == "v2":
+                    runner.host_extra["v2_auto_host_us"] = lambda out=runner.out: cupaged.decode(
+                        batch.q, batch.k_cache, batch.v_cache, batch.table, plan, out=out
+                    )
+            if not runner.error:
+                prepare(runner, stream, n_graph, anchor, adaptive=adaptive, reps=args.reps)
+                if not adaptive:
+                    runner.replays = max(3, math.ceil(args.iters / n_graph))
+                    runner.iters, runner.host_iters, runner.reps = args.iters, args.host_iters, args.reps
+            runners.append(runner)
+    for rep in range(max([r.reps for r in runners] + [0])):
         for runner in runners:
-            if runner.error:
+            if runner.error or rep >= runner.reps:
                 continue
             try:
-                sample(runner, stream, n_graph, args.iters, args.host_iters)
+                sample(runner, stream)
             except Exception as e:
                 runner.error = _short(e)
                 runner.timing = f"error: {runner.error}"
                 _abort_capture(stream)
     for runner in runners:
+        try:
+            measure_host(runner, stream)
+        except Exception as e:
+            notes.append(f"{runner.name} host time: {_short(e)}")
+    for runner in runners:
         if runner.error:
             # the peer failing is a note; a cupaged method failing is a failure
             (notes if runner.name.startswith("flashinfer") else failures).append(f"{runner.name}: {runner.error}")
+        for column, value in runner.host_extra_us.items():
+            row[column] = value
 
     results = {r.name: summarize_runner(r, total) for r in runners}
     fi = [(name, results[f"flashinfer_{name}"]) for name, _ in FLASHINFER_VARIANTS if f"flashinfer_{name}" in results]
@@ -573,11 +965,16 @@ def _measure_cell(
         best["timing"] = f"{best['timing']} [{others}]"
         results["flashinfer"] = best
         row["flashinfer_variant"] = name
-    elif "flashinfer" in args.methods:
+    elif "flashinfer" in methods:
         row["flashinfer_timing"] = f"unavailable: {flashinfer.reason if flashinfer else 'not loaded'}"
     for method in METHODS:
         for key, value in results.get(method, {}).items():
             row[f"{method}_{key}"] = value
+    if adaptive:
+        for runner in runners:
+            key = "flashinfer" if runner.name == f"flashinfer_{row.get('flashinfer_variant')}" else runner.name
+            if key in METHODS and not runner.error:
+                row[f"{key}_timing"] = f"{row.get(f'{key}_timing', '')} <{schedule_text(runner)}>"
     v2_us = row.get("v2_us")
     for other in ("v1", "gather", "flashinfer"):
         if v2_us and row.get(f"{other}_us"):
@@ -670,9 +1067,254 @@ def summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def plot_suite(rows: list[dict], path: str, title: str = "") -> None:
+    """TB/s vs context of v2, FlashInfer-best and v1, one row of panels per
+    main group (one panel per batch), roofline and the 4.2 TB/s target drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(k, g) for k, g in bench_report.group_rows(rows) if bench_report.is_main_shape(g[0])]
+    if not groups:
+        return
+    batches = sorted({r["batch"] for _, g in groups for r in g})
+    fig, axes = plt.subplots(
+        len(groups), len(batches), figsize=(3.6 * len(batches), 2.9 * len(groups)), squeeze=False, sharey=True
+    )
+    for i, (key, grows) in enumerate(groups):
+        for j, b in enumerate(batches):
+            ax = axes[i][j]
+            for method, label in (("v2", "v2"), ("flashinfer", "FlashInfer-best"), ("v1", "v1")):
+                pts = sorted((r["ctx"], r.get(f"{method}_tbps")) for r in grows if r["batch"] == b)
+                pts = [(c, t) for c, t in pts if t is not None]
+                if pts:
+                    ctxs, tbps = zip(*pts, strict=True)
+                    ax.plot(ctxs, tbps, marker="o", label=label)
+            ax.axhline(_common.ROOFLINE_BPS / 1e12, color="k", linestyle="--", linewidth=1, label="roofline")
+            ax.axhline(bench_report.TARGET_TBPS, color="g", linestyle=":", linewidth=1, label="4.2 TB/s")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{key} b{b}", fontsize=9)
+            ax.grid(True, alpha=0.3)
+            if i == len(groups) - 1:
+                ax.set_xlabel("context (tokens)")
+        axes[i][0].set_ylabel("TB/s")
+    axes[0][-1].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_meta(args: argparse.Namespace, argv, flashinfer: FlashInfer | None, planned: int) -> dict:
+    """Header facts of a suite report: command, GPU, date, commit, versions."""
+    import datetime
+
+    import cupy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    gpu = device_name()
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+        gpu += (
+            f" ({props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB, "
+            f"driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()})"
+        )
+    except Exception:
+        pass
+    versions = [f"CuPy {cupy.__version__}", f"NumPy {np.__version__}"]
+    if flashinfer is not None:
+        if flashinfer.available:
+            versions += [f"torch {flashinfer.torch.__version__}", f"FlashInfer {flashinfer.version}"]
+        else:
+            versions.append(f"FlashInfer unavailable ({flashinfer.reason})")
+    return {
+        "command": "python3 scripts/microbench.py " + " ".join(shlex.quote(a) for a in argv),
+        "gpu": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": args.commit or bench_report.git_commit(),
+        "versions": ", ".join(versions),
+        "timing": f"Up to {args.reps} repetitions per method, adaptive (graph of >= ~{GRAPH_TARGET_US:.0f} µs, "
+        f"~{SAMPLE_US / 1000:.0f} ms of replays per repetition, one repetition where it would pass "
+        f"{REP_CAP_US / 1000:.0f} ms); the CSV's *_timing columns say what was timed per method and cell. "
+        "FlashInfer-best = the faster of BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores False/True. "
+        "Physical pages in random order out of a pool with 2x slack, first_page_offset 0 (FlashInfer has "
+        "none); cells under 256 MiB of KV rotate between cache copies so no call runs from L2.",
+        "planned": planned,
+        "elapsed_s": None,
+        "skipped": [],
+        "notes": [],
+    }
+
+
+def write_suite_outputs(rows: list[dict], meta: dict, args: argparse.Namespace) -> None:
+    """CSV, meta JSON and markdown report of a suite run (called after every
+    cell, so a run cut short still leaves them)."""
+    _common.write_csv(args.csv, CSV_COLUMNS, rows)
+    bench_report.meta_path(args.csv).write_text(json.dumps(meta, indent=1))
+    Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.md).write_text(bench_report.markdown_report(rows, meta))
+
+
+class _Progress:
+    """tqdm on stderr when installed (refreshed every 30 s when stderr is not
+    a terminal, cell lines then printed plainly), else a counter line every
+    10 cells."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.n = total, 0
+        # not a terminal (a log file): a bar refresh every 30 s, lines printed plainly
+        self.tty = sys.stderr.isatty()
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, file=sys.stderr, unit="cell", mininterval=0.5 if self.tty else 30)
+        except ImportError:
+            self.bar = None
+
+    def write(self, text: str) -> None:
+        if self.bar is not None and self.tty:
+            self.bar.write(text, file=sys.stdout)
+            sys.stdout.flush()
+        else:
+            print(text, flush=True)
+
+    def update(self, label: str) -> None:
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(label, refresh=False)
+            self.bar.update(1)
+        elif self.n % 10 == 0 or self.n == self.total:  # no tqdm: a line every 10 cells
+            print(f"[{self.n}/{self.total}] {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Interrupted(BaseException):
+    """SIGTERM (``timeout``) or the hard-stop alarm: end the run cleanly."""
+
+
+def _interrupt(signum, frame):  # pragma: no cover - signal handler
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def _cell_line(cell: dict, row: dict, args: argparse.Namespace, seconds: float) -> str:
+    parts = [f"{m} {_common.format_value(row.get(f'{m}_us'))}" for m in METHODS if row.get(f"{m}_us") is not None]
+    missed = [t[1] for t in bench_report.TARGETS if row.get(t[0]) == bench_report.MISSED]
+    ratio = row.get("v2_over_flashinfer")
+    return (
+        f"{cell_label(cell, args):<34} c={row['v2_pages_per_chunk']} ctas={row['v2_num_ctas']} x{row['replicas']}: "
+        f"{'  '.join(parts)} us"
+        + (f"  FI/v2 {ratio:.2f}" if ratio else "")
+        + (f"  missed: {','.join(missed)}" if missed else "")
+        + f"  ({seconds:.1f} s)"
+    )
+
+
+def main_suite(args: argparse.Namespace, argv=None) -> int:
+    """``--suite``: the issue's cells within ``--budget-s``, outputs rewritten
+    after every cell, the target summary printed last."""
+    import cupy
+
+    t_start = time.perf_counter()
+    the_cells = cells(args)
+    flashinfer = None
+    if any("flashinfer" in c["methods"] for c in the_cells):
+        flashinfer = FlashInfer()
+        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
+        print(f"flashinfer: {status}", flush=True)
+    meta = run_meta(args, argv, flashinfer, len(the_cells))
+    budget = args.budget_s or 0.0
+    print(
+        f"microbench --suite {args.suite}: {len(the_cells)} cells; budget {budget:.0f} s; reps {args.reps}; "
+        f"commit {meta['commit']}; {meta['gpu']}",
+        flush=True,
+    )
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    old_alarm = signal.signal(signal.SIGALRM, _interrupt)
+    if budget:
+        signal.alarm(int(budget + HARD_STOP_MARGIN_S))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows, failures, notes = [], [], meta["notes"]
+    warmed = set()
+    finished = set()  # indices of cells measured, skipped or failed
+    interrupted = ""
+    progress = _Progress(len(the_cells), "issue5")
+    try:
+        for i, cell in enumerate(the_cells):
+            where = cell_label(cell, args)
+            elapsed = time.perf_counter() - t_start
+            key = (cell["dtype"], cell["head_dim"])
+            est = estimate_cell_s(cell, args, key not in warmed)
+            if budget and elapsed + est > budget:
+                meta["skipped"].append(f"{where}: time budget ({est:.0f} s estimated, {budget - elapsed:.0f} s left)")
+                finished.add(i)
+                progress.update(f"{where} skipped")
+                continue
+            t0 = time.perf_counter()
+            try:
+                row, fails, cell_notes = run_cell(cell, args, stream, flashinfer)
+            except Exception as e:  # e.g. out of memory building the cell: keep going
+                failures.append(f"{where}: {_short(e)}")
+                finished.add(i)
+                progress.write(f"{where}: FAILED {_short(e)}")
+                _common.free_gpu_memory()
+                progress.update(f"{where} failed")
+                continue
+            warmed.add(key)
+            row["wall_s"] = time.perf_counter() - t0
+            row.update(bench_report.evaluate_row(row))
+            rows.append(row)
+            finished.add(i)
+            failures += [f"{where}: {f}" for f in fails]
+            notes += [f"{where}: {n}" for n in cell_notes]
+            meta["elapsed_s"] = time.perf_counter() - t_start
+            write_suite_outputs(rows, meta, args)
+            progress.write(_cell_line(cell, row, args, row["wall_s"]))
+            for f in fails:
+                progress.write(f"  ! {f}")
+            progress.update(where)
+    except (Interrupted, KeyboardInterrupt) as e:
+        interrupted = f"{type(e).__name__} {e} after {time.perf_counter() - t_start:.0f} s"
+        meta["skipped"] += [
+            f"{cell_label(c, args)}: interrupted ({interrupted})" for j, c in enumerate(the_cells) if j not in finished
+        ]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGALRM, old_alarm)
+        progress.close()
+    meta["elapsed_s"] = time.perf_counter() - t_start
+    if failures:
+        notes += [f"failure: {f}" for f in failures]
+    if rows:
+        write_suite_outputs(rows, meta, args)
+        try:
+            plot_suite(rows, args.png, f"{device_name()}: GPU time per call under graph replay -> TB/s")
+        except Exception as e:  # a plot problem must not lose the numbers
+            print(f"plot failed: {_short(e)}", file=sys.stderr)
+        print(f"wrote {args.csv}, {bench_report.meta_path(args.csv)}, {args.md}, {args.png}")
+    for f in failures:
+        print(f"failure: {f}")
+    if interrupted:
+        print(f"INTERRUPTED: {interrupted}")
+    print(
+        f"SUMMARY: {len(rows)}/{len(the_cells)} cells measured, {len(meta['skipped'])} not run, "
+        f"{len(failures)} failures, {meta['elapsed_s']:.0f} s"
+    )
+    print(bench_report.summary_text(rows))
+    return 1 if failures or interrupted else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     _common.require_gpu()
+    if args.suite:
+        return main_suite(args, argv)
     import cupy
 
     the_cells = cells(args)
@@ -699,7 +1341,10 @@ def main(argv=None) -> int:
                 failures.append(f"{where}: {_short(e)}")
                 print(f"{where}: FAILED {_short(e)}", flush=True)
                 continue
+            row.update(bench_report.evaluate_row(row))
+            row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
+            _common.write_csv(args.csv, CSV_COLUMNS, rows)  # after every cell: a run cut short keeps them
             failures += [f"{where}: {f}" for f in fails]
             parts = [
                 f"{m} {_common.format_value(row.get(f'{m}_us'))}us" for m in METHODS if row.get(f"{m}_us") is not None

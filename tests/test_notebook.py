@@ -8,18 +8,31 @@
 - the ``gpu`` tags are exact: a cell is tagged ``gpu`` if and only if it uses
   CuPy or a cupaged function that needs a device, or reads a name last bound
   in a ``gpu`` cell. So the CPU run skips no host code, and GPU code never runs on CI.
-  GPU cells are compiled here, not run; they run on the H200 with
-  ``jupyter nbconvert --to notebook --execute --inplace examples/quickstart.ipynb``.
+  GPU cells are compiled here, and run on the H200 with
+  ``scripts/gpu_run.sh OUT notebook`` (``scripts/run_notebook.py``, nbclient);
+- the ``gpu`` cells' host logic (token writes, plan reuse, the sweep's
+  bookkeeping, the plot) also runs here, on a NumPy stand-in for CuPy with
+  ``cupaged.decode`` answered by the reference and a smaller timing sweep;
+- ``scripts/run_notebook.py`` (and the ``.nbpeer`` installer that
+  ``scripts/nb_peer.sh`` writes) are checked as far as a CPU allows: executing
+  a small notebook only where nbclient and ipykernel are installed
+  (``pip install -e ".[notebook]"``; CI does not install them).
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
+import importlib.util
 import json
+import os
 import re
+import subprocess
+import sys
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,3 +210,176 @@ def test_cpu_cells_run(monkeypatch):
     # the CPU cells got as far as the host check of the split
     assert {"pool", "table", "plan", "out_ref", "out_split"} <= set(namespace)
 
+
+# ------------------------------------------------ gpu cells on a NumPy stand-in
+class _HostArray(np.ndarray):
+    """A NumPy array that answers ``.get()`` like a CuPy one."""
+
+    def get(self):
+        return np.array(self)
+
+
+def _fake_cupy(seed: int = 1) -> types.ModuleType:
+    """Just the CuPy surface the notebook's gpu cells touch, on the host."""
+    rng = np.random.default_rng(seed)
+    cp = types.ModuleType("cupy")
+    cp.float16, cp.float32 = np.float16, np.float32
+    cp.random = types.SimpleNamespace(
+        standard_normal=lambda shape, dtype=np.float64: rng.standard_normal(shape, dtype=dtype).view(_HostArray))
+    cp.asnumpy = np.asarray
+    cp.empty_like = lambda a: np.empty_like(a).view(_HostArray)
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    cp.cuda = types.SimpleNamespace(
+        Device=lambda *a: types.SimpleNamespace(id=0),
+        runtime=types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"NumPy stand-in"}))
+    return cp
+
+
+# The timing cell's sweep, shrunk for the CPU (each must be in the cell verbatim).
+SMALL_SWEEP = {
+    "BATCHES = (1, 8, 32)": "BATCHES = (1, 3)",
+    "CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768)": "CONTEXTS = (1024, 2048)",
+    "ROTATE_BYTES = 256 << 20": "ROTATE_BYTES = 8 << 20",
+}
+
+
+def test_gpu_cells_run_on_a_numpy_stand_in(monkeypatch):
+    """Every cell, in order, with CuPy replaced by host arrays, ``decode`` by
+    the float64 reference (plan checks kept) and ``graph_time_us`` by one
+    call: catches host-side mistakes in the ``gpu`` cells before the H200 run."""
+    import cupaged
+    import cupaged.autotune
+    from cupaged import reference
+
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    for var in ("CUPAGED_TARGET_CTAS", "CUPAGED_NUM_SMS", "CUPAGED_DECODE", "CUPAGED_CORE"):
+        monkeypatch.delenv(var, raising=False)
+    decoded = []
+    real_reference_decode = reference.decode
+    memo = {}  # the reference of a stand-in decode, for the cell's own reference call right after it
+
+    def reference_decode(q, k_cache, v_cache, table, *args, **kwargs):
+        hit = memo.pop((id(table), np.asarray(q).tobytes()), None)
+        return hit if hit is not None and not (args or kwargs) else real_reference_decode(
+            q, k_cache, v_cache, table, *args, **kwargs)
+
+    def fake_decode(q, k_cache, v_cache, table, plan=None, *, out=None, return_lse=False, **kw):
+        assert all(isinstance(x, _HostArray) for x in (q, k_cache, v_cache)), "not a (stand-in) device array"
+        if plan is not None and not plan.matches(table):
+            raise cupaged.PlanMismatchError("stale plan")
+        o, lse = real_reference_decode(q, k_cache, v_cache, table)
+        memo[(id(table), np.asarray(q).tobytes())] = (o, lse)
+        o = o.astype(q.dtype).view(_HostArray)
+        if out is not None:
+            out[...] = o
+            o = out
+        decoded.append(table.batch_size)
+        return (o, lse.astype(np.float32).view(_HostArray)) if return_lse else o
+
+    def fake_graph_time_us(fn, launches=20, reps=5):
+        assert launches >= 20
+        fn()
+        return 100.0
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(cupaged, "decode", fake_decode)
+    monkeypatch.setattr(reference, "decode", reference_decode)
+    monkeypatch.setattr(cupaged, "select_method", lambda *a, **k: "Selection(stand-in)")
+    monkeypatch.setattr(cupaged.autotune, "graph_time_us", fake_graph_time_us)
+    monkeypatch.chdir(NOTEBOOK.parent)
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    for i, cell in code_cells(load()):
+        src = source(cell)
+        if "graph_time_us" in src:
+            for old, new in SMALL_SWEEP.items():
+                assert old in src, f"cell {i}: {old!r} not found; update SMALL_SWEEP"
+                src = src.replace(old, new)
+        try:
+            exec(compile(src, f"quickstart.ipynb[cell {i}]", "exec"), namespace)
+        except Exception as e:
+            pytest.fail(f"notebook cell {i} ({cell.get('id')}) raised {type(e).__name__}: {e}")
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    memo.clear()
+    results = namespace["results"]
+    assert sorted(results) == [1, 3] and all(len(rows) == 2 for rows in results.values())
+    assert len(decoded) >= 1 + 1 + 64 + 4  # first decode, next step, 64 steps, the sweep
+
+
+# ----------------------------------------------------- scripts/run_notebook.py
+RUN_NOTEBOOK = ROOT / "scripts" / "run_notebook.py"
+
+
+def _run_script(*args, env=None, timeout=180):
+    return subprocess.run([sys.executable, str(RUN_NOTEBOOK), *map(str, args)], check=False, capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def _tiny_notebook(path: Path, cells: list[str]) -> Path:
+    nb = {"cells": [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+                     "source": src} for i, src in enumerate(cells)],
+          "metadata": {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    path.write_text(json.dumps(nb), encoding="utf-8")
+    return path
+
+
+def test_run_notebook_help():
+    r = _run_script("--help")
+    assert r.returncode == 0, r.stderr
+    assert "usage:" in r.stdout and "--timeout" in r.stdout
+
+
+def test_run_notebook_says_what_is_missing(tmp_path):
+    """Without nbclient: exit 3 and the two ways to get it."""
+    (tmp_path / "nbclient").mkdir()
+    (tmp_path / "nbclient" / "__init__.py").write_text("raise ImportError('No module named nbclient (test)')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    r = _run_script(_tiny_notebook(tmp_path / "t.ipynb", ["1"]), tmp_path / "o.ipynb", env=env)
+    assert r.returncode == 3, r.stderr
+    assert ".nbpeer/activate.sh" in r.stderr and '".[notebook]"' in r.stderr
+    assert not (tmp_path / "o.ipynb").exists()
+
+
+@pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("nbclient", "nbformat", "ipykernel")),
+                    reason="nbclient/ipykernel not installed (pip install -e '.[notebook]')")
+def test_run_notebook_executes(tmp_path):
+    """A small notebook runs in its own folder, with this checkout importable
+    and figures as PNG; a failing cell gives exit 1 and its error, written."""
+    cells = ["import os, cupaged\nprint(os.path.basename(os.getcwd()), cupaged.__version__)"]
+    if importlib.util.find_spec("matplotlib"):
+        cells.append("import matplotlib.pyplot as plt\nplt.plot([1, 2], [3, 4])\nplt.show()")
+    (tmp_path / "nbdir").mkdir()
+    src = _tiny_notebook(tmp_path / "nbdir" / "t.ipynb", cells)
+    r = _run_script(src, tmp_path / "out.ipynb", "--timeout", 120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads((tmp_path / "out.ipynb").read_text(encoding="utf-8"))
+    assert [c["execution_count"] for c in out["cells"]] == list(range(1, len(cells) + 1))
+    import cupaged
+
+    assert "".join(out["cells"][0]["outputs"][0]["text"]) == f"nbdir {cupaged.__version__}\n"
+    if len(cells) == 2:
+        assert any("image/png" in o.get("data", {}) for o in out["cells"][1]["outputs"])
+
+    bad = _tiny_notebook(tmp_path / "bad.ipynb", ["x = 1", "1 / 0", "print('never')"])
+    r = _run_script(bad, tmp_path / "bad.out.ipynb", "--timeout", 120)
+    assert r.returncode == 1 and "ZeroDivisionError" in r.stderr, r.stdout + r.stderr
+    out = json.loads((tmp_path / "bad.out.ipynb").read_text(encoding="utf-8"))
+    assert out["cells"][1]["outputs"][-1]["output_type"] == "error"
+    assert out["cells"][2]["execution_count"] is None
+
+
+# ---------------------------------------------------------- scripts/nb_peer.sh
+def test_nb_peer_script_parses():
+    """nb_peer.sh is valid bash and the Python it writes (.nbpeer/install.py,
+    the wheel slimmer) compiles; running it needs the package index."""
+    script = ROOT / "scripts" / "nb_peer.sh"
+    r = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    blocks = re.findall(r"<<'PY'\n(.*?)\nPY\n", script.read_text(encoding="utf-8"), re.DOTALL)
+    assert len(blocks) == 2
+    for i, block in enumerate(blocks):
+        compile(block, f"nb_peer.sh[python block {i}]", "exec")

@@ -5,12 +5,15 @@ Nothing here needs a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ sys.path.insert(0, str(SCRIPTS))
 _common = importlib.import_module("_common")
 correctness = importlib.import_module("correctness")
 microbench = importlib.import_module("microbench")
+bench_report = importlib.import_module("bench_report")
 
 
 def _gpu_present() -> bool:
@@ -265,6 +269,443 @@ def test_microbench_summarize_runner():
     r.samples["graph"] = []
     res = microbench.summarize_runner(r, total_bytes=1)
     assert res["us"] == 21.0 and res["graph_us"] is None
+
+
+# ------------------------------------------------------- microbench --suite issue5
+
+
+def test_suite_cells_cover_the_issue():
+    args = microbench.parse_args(["--suite", "issue5"])
+    cells = microbench.cells(args)
+    assert args.budget_s == microbench.SUITE_BUDGET_S
+    assert args.csv.endswith("microbench-issue5.csv") and args.md.endswith("microbench-issue5.md")
+    main = [c for c in cells if c["group"].startswith("main-")]
+    assert len(main) == 4 * (5 * 4 + 3) == 92
+    assert len(cells) == 92 + 3 * 9
+    assert {(c["dtype"], c["page_size"]) for c in main} == {
+        ("float16", 16),
+        ("float16", 32),
+        ("bfloat16", 16),
+        ("bfloat16", 32),
+    }
+    assert all((c["num_qo_heads"], c["num_kv_heads"], c["head_dim"]) == (32, 8, 128) for c in main)
+    long = sorted(c["batch"] for c in main if c["ctx"] == 131072)
+    assert long == [1, 1, 1, 1, 4, 4, 4, 4, 8, 8, 8, 8]
+    for c in cells:
+        assert c["methods"][:2] == ("v2", "flashinfer")
+        slow = c["group"].startswith("main-") and c["ctx"] >= 4096
+        assert (set(c["methods"]) == {"v2", "flashinfer", "v1", "gather"}) == slow
+        assert c["host"] == (c["group"].startswith("main-") and (c["batch"], c["ctx"]) in microbench.HOST_CELLS)
+    extras = {(c["num_qo_heads"], c["num_kv_heads"], c["head_dim"]) for c in cells if not c["group"].startswith("main-")}
+    assert extras == {(32, 32, 128), (64, 8, 128), (32, 8, 64)}
+    assert cells[0]["group"] == "main-fp16-p16"  # most important first
+
+
+def test_suite_filters_and_rejects():
+    def n(*argv):
+        return len(microbench.cells(microbench.parse_args(["--suite", "issue5", *argv])))
+
+    assert n("--groups", "main-bf16-p32") == 23
+    assert n("--groups", "mha-fp16-p16,d64-fp16-p16") == 18
+    assert n("--dtype", "bfloat16") == 46
+    assert n("--batch", "128", "--page-size", "16") == 2 * 4
+    assert n("--ctx", "131072") == 12
+    args = microbench.parse_args(["--suite", "issue5", "--methods", "v2", "--budget-s", "0", "--commit", "abc"])
+    assert {c["methods"] for c in microbench.cells(args)} == {("v2",)}
+    assert args.budget_s == 0 and args.commit == "abc"
+    for argv in (["--suite", "issue5", "--quick"], ["--suite", "issue5", "--groups", "nope"], ["--groups", "mha"],
+                 ["--suite", "nope"], ["--suite", "issue5", "--budget-s", "-1"], ["--dtype", "float16", "bfloat16"]):
+        with pytest.raises(SystemExit) as e:
+            microbench.parse_args(argv)
+        assert e.value.code == 2
+    assert microbench.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+def test_suite_estimates_and_schedules():
+    args = microbench.parse_args(["--suite", "issue5"])
+    cells = {(c["group"], c["batch"], c["ctx"]): c for c in microbench.cells(args)}
+    small = microbench.estimate_cell_s(cells[("main-fp16-p16", 1, 1024)], args, False)
+    big = microbench.estimate_cell_s(cells[("main-fp16-p16", 128, 32768)], args, False)
+    assert 0.3 < small < 1.0 and 1.0 < big < 5.0
+    assert microbench.estimate_cell_s(cells[("main-fp16-p16", 1, 1024)], args, True) == pytest.approx(
+        small + microbench.JIT_ESTIMATE_S
+    )
+    # the whole suite, JIT of three (dtype, head_dim) included, fits the default budget with room to spare
+    total = sum(microbench.estimate_cell_s(c, args, False) for c in cells.values()) + 3 * microbench.JIT_ESTIMATE_S
+    assert total < 0.8 * microbench.SUITE_BUDGET_S
+    assert microbench.adaptive_graph_calls(12.0, 64) == 64
+    assert microbench.adaptive_graph_calls(12.0, 1) == microbench.GRAPH_CALLS
+    assert microbench.adaptive_graph_calls(75.0, 1) == 7
+    assert microbench.adaptive_graph_calls(75.0, 3) == 9
+    assert microbench.adaptive_graph_calls(4000.0, 1) == 1
+    assert microbench.adaptive_repeats(768.0, 3) == (3, 3)
+    assert microbench.adaptive_repeats(4800.0, 3) == (1, 3)
+    assert microbench.adaptive_repeats(150_000.0, 3) == (1, 1)
+    assert microbench.adaptive_repeats(0.5, 3) == (microbench.MAX_REPLAYS, 3)
+    assert microbench.adaptive_repeats(1.0, 3, cap=microbench.MAX_EVENT_ITERS) == (microbench.MAX_EVENT_ITERS, 3)
+
+
+def test_gather_skip_reason():
+    kv = 128 * 32768 * 4096  # fp16 batch 128 x ctx 32768, 8 kv heads x 128
+    assert microbench.gather_skip_reason(kv, 2 * kv, "float16") == ""
+    assert microbench.gather_skip_reason(kv, 2 * kv, "bfloat16").startswith("skipped: memory")
+    assert microbench.gather_skip_reason(kv // 2, kv, "bfloat16") == ""
+    assert microbench.gather_skip_reason(1 << 20, 1 << 29, "float16", v2_est_us=10.0) == ""
+    assert microbench.gather_skip_reason(1 << 20, 1 << 29, "float16", v2_est_us=1e5).startswith("skipped: time")
+
+
+def _row(**kw):
+    row = {
+        "batch": 1,
+        "ctx": 1024,
+        "page_size": 16,
+        "num_qo_heads": 32,
+        "num_kv_heads": 8,
+        "head_dim": 128,
+        "dtype": "float16",
+        "kv_bytes": 4_141_056,
+        "total_bytes": 4_157_712,
+        "v2_num_ctas": 128,
+        "v2_needs_merge": True,
+    }
+    row.update(kw)
+    if row.get("v2_us") and "v2_tbps" not in kw:
+        row["v2_tbps"] = row["total_bytes"] / (row["v2_us"] * 1e-6) / 1e12
+    return row
+
+
+def test_targets_small_cell():
+    # the 2026-11-29 batch 1 x ctx 1024 cell: v2 12.5 us, FlashInfer 8.6 us
+    ev = bench_report.evaluate_row(_row(v2_us=12.5, flashinfer_us=8.6))
+    assert ev["target_no_slower"] == "missed" and ev["target_small"] == "missed"
+    assert ev["target_tbs"] == ev["target_v1"] == ev["target_gather"] == ev["target_host"] == ""
+    assert ev["fi_best_us"] == 8.6 and ev["roofline_us"] == pytest.approx(4_157_712 / 4.6e6)
+    assert ev["bound"].startswith("latency-bound: v2 - bytes/4.6 TB/s = 11.6 us")
+    assert "128 CTAs" in ev["bound"] and "split+merge" in ev["bound"]
+    ok = bench_report.evaluate_row(_row(v2_us=5.5, flashinfer_us=8.6, v2_host_us=6.0, v2_auto_host_us=7.9))
+    assert ok["target_no_slower"] == ok["target_small"] == ok["target_host"] == "met" and ok["bound"] == ""
+    host = bench_report.evaluate_row(_row(v2_us=5.5, flashinfer_us=8.6, v2_host_us=6.0, v2_auto_host_us=8.5))
+    assert host["target_host"] == "missed" and host["bound"].startswith("host path 8.5 us")
+    nofi = bench_report.evaluate_row(_row(v2_us=5.5))
+    assert nofi["target_no_slower"] == "not measured"
+
+
+def test_targets_large_cell_and_baselines():
+    kv = 8 * 32768 * 4096
+    base = dict(batch=8, ctx=32768, kv_bytes=kv, total_bytes=kv + 40_000, v2_num_ctas=832)
+    ev = bench_report.evaluate_row(_row(**base, v2_us=325.9, flashinfer_us=247.2, v1_us=842.0, gather_us=9867.0))
+    assert ev["target_tbs"] == "missed" and ev["target_no_slower"] == "missed" and ev["target_small"] == ""
+    assert ev["target_v1"] == ev["target_gather"] == "met"
+    assert ev["bound"].startswith("bandwidth: v2 at 72 % of roofline")
+    fast = bench_report.evaluate_row(_row(**base, v2_us=240.0, flashinfer_us=247.2, v1_us=200.0, gather_us=400.0))
+    assert fast["target_tbs"] == "met" and fast["target_no_slower"] == "met"
+    assert fast["target_v1"] == fast["target_gather"] == "missed"
+    assert "v1 faster: v1/v2 time = 0.83" in fast["bound"] and "gather/v2 time = 1.67" in fast["bound"]
+    skipped = bench_report.evaluate_row(_row(**base, v2_us=240.0, flashinfer_us=247.2, v1_us=900.0))
+    assert skipped["target_gather"] == "not measured" and skipped["bound"] == ""
+    # middle cells (64 MB < KV < 256 MB) have neither size target; ctx < 4096: no v1/gather target
+    mid = bench_report.evaluate_row(_row(ctx=1024, kv_bytes=100e6, total_bytes=100e6, v2_us=30.0, flashinfer_us=40.0))
+    assert mid["target_tbs"] == mid["target_small"] == mid["target_v1"] == "" and mid["target_no_slower"] == "met"
+    # extra shapes: only the no-slower target
+    mha = bench_report.evaluate_row(_row(**base, num_kv_heads=32, v2_us=1.0, flashinfer_us=2.0, v1_us=0.5))
+    assert [mha[c] for c in bench_report.TARGET_COLUMNS] == ["met", "", "", "", "", ""]
+
+
+def test_targets_from_csv_strings_and_geomean():
+    row = {k: ("" if v is None else str(v)) for k, v in _row(v2_us=12.5, flashinfer_us=8.6).items()}
+    row["v2_needs_merge"] = "1"
+    assert bench_report.evaluate_row(row)["target_small"] == "missed"
+    rows = [
+        _row(v2_us=10.0, flashinfer_us=15.0),
+        _row(batch=4, v2_us=10.0, flashinfer_us=20.0),
+        _row(batch=4, num_kv_heads=32, v2_us=10.0, flashinfer_us=1.0),  # extra shape: not in the main sweep
+        _row(batch=2, v2_us=10.0, flashinfer_us=1.0),  # batch 2 is not a sweep batch
+        _row(batch=128, ctx=131072, v2_us=10.0, flashinfer_us=1.0),  # 131072 only for batch <= 8
+        _row(batch=8, ctx=131072, v2_us=10.0),  # no FlashInfer time
+    ]
+    gm, n = bench_report.geomean_fi_over_v2(rows)
+    assert n == 2 and gm == pytest.approx((1.5 * 2.0) ** 0.5)
+    assert bench_report.geomean_fi_over_v2(rows, main_only=False)[1] == 5
+    assert bench_report.geomean_fi_over_v2([]) == (None, 0)
+
+
+def _suite_rows():
+    rows = []
+    for group, dtype, hkv in (("main-fp16-p16", "float16", 8), ("mha-fp16-p16", "float16", 32)):
+        for b in (1, 8):
+            for ctx in (1024, 4096):
+                kv = 2 * b * ctx * hkv * 128 * 2
+                row = _row(group=group, dtype=dtype, num_kv_heads=hkv, batch=b, ctx=ctx, kv_bytes=kv, total_bytes=kv)
+                row.update(v2_us=kv / 3e6 + 6, flashinfer_us=kv / 4e6 + 5, flashinfer_variant="tensor_cores")
+                row["v2_tbps"] = kv / (row["v2_us"] * 1e-6) / 1e12
+                row["v2_spread"], row["flashinfer_spread"] = 0.01 * b, 0.02
+                if ctx >= 4096 and group.startswith("main"):
+                    row.update(v1_us=3 * row["v2_us"])
+                    row["gather_timing"] = "skipped: memory (x)" if b == 8 else ""
+                    row["gather_us"] = None if b == 8 else 40 * row["v2_us"]
+                if (b, ctx) == (1, 1024) and group.startswith("main"):
+                    row.update(v2_host_us=9.0, v2_auto_host_us=9.5, flashinfer_host_us=20.0)
+                row.update(bench_report.evaluate_row(row))
+                rows.append(row)
+    return rows
+
+
+def test_suite_report(tmp_path):
+    rows = _suite_rows()
+    meta = {
+        "command": "python3 scripts/microbench.py --suite issue5",
+        "gpu": "NVIDIA H200 (132 SMs)",
+        "date": "2026-11-30 10:00 UTC",
+        "commit": "abc1234",
+        "elapsed_s": 200.0,
+        "planned": 10,
+        "skipped": ["bf16 ...: time budget"],
+        "notes": ["main b8 ctx4096: gather skipped: memory"],
+    }
+    md = bench_report.markdown_report(rows, meta)
+    assert md.startswith("# cupaged paged decode vs FlashInfer: issue #5 targets (2026-11-30)")
+    for text in ("`python3 scripts/microbench.py --suite issue5`", "NVIDIA H200", "`abc1234`", "**Spread**",
+                 "## Targets", "## Host time", "### main-fp16-p16", "### mha-fp16-p16", "8/10 cells measured in 200 s",
+                 "not run: bf16 ...: time budget", "gather skipped: memory", "bound (auto hint, edit)"):
+        assert text in md, text
+    assert "| 1 | 1024 |" in md and "**missed**" in md and "| skipped |" in md
+    counts = {c["target"]: c for c in bench_report.target_counts(rows)}
+    assert counts["target_no_slower"]["cells"] == 8
+    assert counts["target_gather"]["cells"] == 2 and counts["target_gather"]["not measured"] == 1
+    assert counts["target_host"]["cells"] == 1 and counts["target_host"]["missed"] == 1
+    assert "Geometric mean of FlashInfer-best / v2 over the main sweep** (4 cells)" in md
+    # every missed cell has a bound note in its row of the table
+    for line in md.splitlines():
+        if line.startswith("| ") and "**missed**" in line:
+            assert line.rstrip(" |").split("|")[-1].strip(), line
+    text = bench_report.summary_text(rows)
+    assert "geomean FI-best/v2 over main sweep" in text and "main-fp16-p16 FI-best/v2" in text
+    # the report re-renders from the CSV and the meta JSON
+    csv_path = tmp_path / "m.csv"
+    _common.write_csv(csv_path, microbench.CSV_COLUMNS, rows)
+    bench_report.meta_path(csv_path).write_text(json.dumps(meta))
+    assert bench_report.main([str(csv_path), "--md", str(tmp_path / "r.md")]) == 0
+    again = (tmp_path / "r.md").read_text()
+    assert again.count("**missed**") == md.count("**missed**")
+    assert bench_report.read_csv_rows(csv_path)[0]["batch"] == 1
+
+
+def test_suite_csv_columns_and_commit(monkeypatch):
+    assert set(bench_report.EVAL_COLUMNS) <= set(microbench.CSV_COLUMNS)
+    assert {"group", "wall_s", "v2_auto_host_us"} <= set(microbench.CSV_COLUMNS)
+    monkeypatch.setenv("CUPAGED_COMMIT", "fromenv")
+    assert bench_report.git_commit(ROOT)  # a short hash (+dirty) here, or the env var outside a checkout
+    assert bench_report.git_commit("/") == "fromenv"
+    assert bench_report.meta_path("a/b.csv") == Path("a/b.meta.json")
+
+
+# A CPU stand-in for cupy's few calls the benchmark's control flow makes:
+# kernels are Python calls that advance a fake GPU clock (us); capture records
+# their cost into a graph; gather refuses capture like cuBLAS does.
+class _FakeGPU:
+    def __init__(self):
+        self.clock = 0.0
+        self.capturing = False
+        self.captured = 0.0
+
+    def kernel(self, cost_us, name=""):
+        if self.capturing:
+            if name == "gather":
+                raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
+            self.captured += cost_us
+        else:
+            self.clock += cost_us
+
+
+def _fake_cupy(gpu: _FakeGPU) -> ModuleType:
+    cupy = ModuleType("cupy")
+
+    class Event:
+        t = 0.0
+
+        def record(self, stream=None):
+            self.t = gpu.clock
+
+        def synchronize(self):
+            pass
+
+    class Graph:
+        def __init__(self, cost):
+            self.cost = cost
+
+        def launch(self, stream=None):
+            gpu.clock += self.cost
+
+    class Stream:
+        ptr = 0
+
+        def __init__(self, non_blocking=False):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def synchronize(self):
+            pass
+
+        def begin_capture(self):
+            gpu.capturing, gpu.captured = True, 0.0
+
+        def end_capture(self):
+            if not gpu.capturing:
+                raise RuntimeError("not capturing")
+            gpu.capturing = False
+            return Graph(gpu.captured)
+
+    pool = SimpleNamespace(free_all_blocks=lambda: None)
+    props = {"name": b"Fake H200", "multiProcessorCount": 132, "totalGlobalMem": 150e9}
+    runtime = SimpleNamespace(
+        getDeviceProperties=lambda i: props,
+        getDeviceCount=lambda: 1,
+        getDevice=lambda: 0,
+        driverGetVersion=lambda: 13000,
+        runtimeGetVersion=lambda: 13000,
+    )
+    stream = Stream()
+    cupy.cuda = SimpleNamespace(
+        Event=Event,
+        Stream=Stream,
+        get_elapsed_time=lambda a, b: (b.t - a.t) / 1e3,
+        get_current_stream=lambda: stream,
+        Device=lambda i=0: SimpleNamespace(id=0, synchronize=lambda: None, attributes={"MultiProcessorCount": 132}),
+        runtime=runtime,
+    )
+    cupy.get_default_memory_pool = cupy.get_default_pinned_memory_pool = lambda: pool
+    cupy.float32, cupy.int16, cupy.abs, cupy.full, cupy.__version__ = np.float32, np.int16, np.abs, np.full, "fake"
+    return cupy
+
+
+def _kv_of(table, k_cache):
+    return 2 * int(table.seq_lens.sum()) * k_cache.shape[2] * k_cache.shape[3] * k_cache.dtype.itemsize
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The benchmark runs against :class:`_FakeGPU`: fake cupy, empty caches,
+    cupaged.decode and FlashInfer as cost models (v2 at 3.8 TB/s + 6 us, v1
+    3x, gather 40x; FlashInfer 3.2 TB/s + 4 us and 4.4 TB/s + 5 us)."""
+    if _gpu_present():
+        pytest.skip("this machine has a GPU: the real run covers this")
+    import cupaged
+
+    gpu = _FakeGPU()
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(gpu))
+    monkeypatch.setenv("CUPAGED_NUM_SMS", "132")
+
+    def make_device_batch(layout, hq, hkv, head_dim, dtype, *, seed, replicas=1):
+        table = _common.layout_table(layout)
+        empty = np.empty((0, layout.page_size, hkv, head_dim), dtype=dtype)
+        q = np.ones((layout.batch_size, hq, head_dim), dtype=dtype)
+        return _common.DeviceBatch(layout, table, q, [(empty, empty)] * replicas, hq, hkv, head_dim, np.dtype(dtype))
+
+    factor = {"v2": 1.0, "auto": 1.0, "v1": 3.0, "gather": 40.0}
+
+    def decode(q, k_cache, v_cache, table, plan=None, *, method="auto", out=None, **kw):
+        gpu.kernel(factor[method] * (_kv_of(table, k_cache) / 3.8e6 + 6.0), method)
+        out = np.empty(q.shape, q.dtype) if out is None else out
+        out[...] = 1.0
+        return out
+
+    class FlashInfer:
+        reason, version, available = "", "fake", True
+        torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None), __version__="fake")
+
+        def runners(self, batch, stream):
+            kv = _kv_of(batch.table, batch.k_cache)
+            out = []
+            for name, rate, fixed in (("cuda_cores", 3.2e6, 4.0), ("tensor_cores", 4.4e6, 5.0)):
+                o = np.ones(batch.q.shape, batch.q.dtype)
+                calls = [(lambda c=kv / rate + fixed: gpu.kernel(c)) for _ in batch.caches]
+                out.append(microbench.Runner(f"flashinfer_{name}", calls, o, contextlib.nullcontext))
+            return out
+
+    monkeypatch.setattr(_common, "make_device_batch", make_device_batch)
+    monkeypatch.setattr(_common, "require_gpu", lambda: None)
+    monkeypatch.setattr(cupaged, "decode", decode)
+    monkeypatch.setattr(microbench, "FlashInfer", FlashInfer)
+    return gpu
+
+
+def test_suite_runs_end_to_end_on_a_fake_gpu(fake_gpu, tmp_path, capsys):
+    argv = ["--suite", "issue5", "--groups", "main-fp16-p16,mha-fp16-p16,main-bf16-p32", "--batch", "1,8",
+            "--ctx", "1024,4096", "--out-dir", str(tmp_path), "--commit", "abc1234"]
+    assert microbench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "SUMMARY: 12/12 cells measured, 0 not run, 0 failures" in out
+    assert out.rstrip().splitlines()[-1].strip().startswith("8")  # the last grid line (batch 8) is printed last
+    rows = bench_report.read_csv_rows(tmp_path / "microbench-issue5.csv")
+    assert len(rows) == 12 and {r["group"] for r in rows} == {"main-fp16-p16", "mha-fp16-p16", "main-bf16-p32"}
+    for r in rows:
+        assert r["v2_us"] == pytest.approx(r["kv_bytes"] / 3.8e6 + 6.0, rel=1e-6)  # graph replay, per call
+        assert r["flashinfer_variant"] in ("cuda_cores", "tensor_cores")
+        assert r["flashinfer_us"] == pytest.approx(min(r["kv_bytes"] / 3.2e6 + 4.0, r["kv_bytes"] / 4.4e6 + 5.0))
+        assert r["v2_max_rel_vs_v2"] == 0.0 and r["target_no_slower"] == "missed"
+        assert "replays of" in r["v2_timing"]
+        slow = r["group"].startswith("main") and r["ctx"] >= 4096
+        assert (r["v1_us"] is not None) == (r["gather_us"] is not None) == slow
+        if slow:
+            assert r["v1_us"] == pytest.approx(3 * r["v2_us"], rel=1e-6)
+            assert r["gather_us"] == pytest.approx(40 * r["v2_us"], rel=1e-6)  # events: capture refused
+            assert r["gather_timing"].startswith("events (capture failed: NotImplementedError")
+            assert r["target_v1"] == r["target_gather"] == "met"
+        host = r["group"].startswith("main") and (r["batch"], r["ctx"]) in microbench.HOST_CELLS
+        assert (r["v2_host_us"] is not None) == (r["v2_auto_host_us"] is not None) == host
+        assert (r["target_host"] is not None) == host
+        assert r["wall_s"] > 0
+    md = (tmp_path / "microbench-issue5.md").read_text()
+    assert "`abc1234`" in md and "Fake H200" in md and "### main-bf16-p32" in md
+    meta = json.loads((tmp_path / "microbench-issue5.meta.json").read_text())
+    assert meta["planned"] == 12 and meta["skipped"] == [] and meta["commit"] == "abc1234"
+    assert (tmp_path / "microbench-issue5.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_suite_budget_and_interrupt_on_a_fake_gpu(fake_gpu, tmp_path, capsys, monkeypatch):
+    base = ["--suite", "issue5", "--groups", "main-fp16-p16", "--batch", "1", "--out-dir", str(tmp_path)]
+    # a budget too small for the first cell's JIT: everything skipped, nothing written
+    assert microbench.main([*base, "--budget-s", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "SUMMARY: 0/5 cells measured, 5 not run" in out
+    assert not (tmp_path / "microbench-issue5.csv").exists()
+    # interrupted (SIGTERM from `timeout`, or the alarm) during the third cell: two cells kept, exit 1
+    real = microbench.run_cell
+    calls = []
+
+    def run_cell(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise microbench.Interrupted("SIGTERM")
+        return real(*a, **k)
+
+    monkeypatch.setattr(microbench, "run_cell", run_cell)
+    assert microbench.main(base) == 1
+    out = capsys.readouterr().out
+    assert "INTERRUPTED" in out and "SUMMARY: 2/5 cells measured, 3 not run" in out
+    assert len(bench_report.read_csv_rows(tmp_path / "microbench-issue5.csv")) == 2
+    assert "interrupted (Interrupted SIGTERM" in (tmp_path / "microbench-issue5.md").read_text()
+
+
+def test_default_mode_on_a_fake_gpu(fake_gpu, tmp_path, capsys):
+    argv = ["--batch", "1", "--ctx", "1024,4096", "--reps", "2", "--iters", "10", "--host-iters", "5",
+            "--out-dir", str(tmp_path)]
+    assert microbench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "SUMMARY: 2/2 cells measured, 0 failures" in out
+    rows = bench_report.read_csv_rows(tmp_path / "microbench.csv")
+    assert [r["ctx"] for r in rows] == [1024, 4096]
+    for r in rows:
+        for m in ("v2", "v1", "gather", "flashinfer"):
+            assert r[f"{m}_us"] and r[f"{m}_event_us"] and r[f"{m}_host_us"]
+        assert r["graph_calls"] == microbench.graph_calls(r["replicas"]) and r["reps"] == 2
+        assert r["target_no_slower"] == "missed" and r["target_host"] in ("met", "missed")
+    assert (tmp_path / "microbench.md").read_text().startswith("# cupaged paged-decode microbenchmark")
 
 
 # ------------------------------------------------------------------- writers

@@ -1,0 +1,149 @@
+"""The full checks of ``decode(..., validate=True)``: debugging aids.
+
+The default ("cheap") checks of :func:`cupaged.decode` are O(1) comparisons of
+host attributes: they never read device memory. They trust the device copy of
+the page table, :meth:`PageTable.device`, because it is uploaded from host
+arrays that were validated when the table was built. But its arrays are
+writable CuPy views cached on the table; a write into them (a bug in the
+caller, a stray kernel) bypasses every host check, and the kernels would then
+read whatever page ids it holds.
+
+:func:`check_device_table` re-checks every CSR rule on that device copy with
+CuPy reductions and one synchronization (to bring the verdicts to the host),
+then names the first broken rule and its request, like
+:meth:`PageTable.validate`. :func:`check_out_overlap` rejects an ``out``
+whose elements share memory (a broadcast view), which the kernels would
+write from several CTAs. Both are for debugging, not for the serving loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import LayoutError, PageTableError
+from .page_table import DeviceTable, PageTable
+
+__all__ = ["check_device_table", "check_out_overlap"]
+
+
+def _owner(indptr: np.ndarray, k: int) -> int:
+    """The request whose slice of ``indices`` holds entry ``k`` (host indptr)."""
+    return int(np.searchsorted(indptr, k, side="right")) - 1
+
+
+def check_device_table(table: PageTable, num_pages: int) -> None:
+    """Check ``table.device()`` against every rule of the CSR view.
+
+    Re-runs the host checks (:meth:`PageTable.validate`,
+    :meth:`PageTable.check_page_ids`), then checks the device arrays: dtype,
+    rank, contiguity and length; ``indptr[0] == 0``; ``indptr``
+    non-decreasing and ending at ``len(indices)``; every page id in
+    ``[0, num_pages)``; per request, the geometry rules of
+    :class:`PageTable`; and finally that each array equals the host table's
+    (the plan and ``seq_lens`` were derived from those). One device sync.
+
+    Raises :class:`~cupaged.errors.PageTableError` whose message starts with
+    ``"table.device()"`` and names the request and the rule.
+    """
+    import cupy
+
+    table.validate()
+    table.check_page_ids(num_pages)
+    dev = table.device()
+    host = (table.indices, table.indptr, table.last_page_len, table.first_page_offset)
+    for name, d, h in zip(DeviceTable._fields, dev, host):
+        if not isinstance(d, cupy.ndarray) or d.dtype != np.int32 or d.ndim != 1 or not d.flags.c_contiguous:
+            raise PageTableError(
+                f"table.device().{name} must be a contiguous 1-D int32 CuPy array, "
+                f"got {type(d).__name__} {getattr(d, 'dtype', '?')} {getattr(d, 'shape', '?')}"
+            )
+        if d.shape != h.shape:
+            raise PageTableError(
+                f"table.device().{name} must have the host table's shape {h.shape}, got {d.shape}"
+            )
+    B, P = table.batch_size, table.page_size
+    indices, indptr, last, off = (a.astype(cupy.int64) for a in dev)
+    pages = indptr[1:] - indptr[:-1]
+    has = pages > 0
+
+    # (name, device mask); verdict = index of its first True, or -1.
+    masks = [
+        ("indptr_first", indptr[:1] != 0),
+        ("indptr_decreasing", pages < 0),
+        ("indptr_last", indptr[-1:] != indices.shape[0]),
+        ("page_id", (indices < 0) | (indices >= num_pages)),
+        ("last", has & ((last < 1) | (last > P))),
+        ("off", has & ((off < 0) | (off >= P))),
+        ("one_page", (pages == 1) & (off >= last)),
+        ("zero_page_off", ~has & (off != 0)),
+        ("zero_page_last", ~has & ((last < 0) | (last > P))),
+    ]
+    for name, d, h in zip(DeviceTable._fields, dev, host):
+        masks.append((f"differs_{name}", d != cupy.asarray(h)))
+    firsts = [cupy.where(m.any(), m.argmax(), -1) for _, m in masks if m.size]
+    verdict = iter(cupy.stack(firsts).get().tolist() if firsts else [])  # the one sync
+    found = {name: (next(verdict) if m.size else -1) for name, m in masks}
+
+    def value(a, i: int) -> int:
+        return int(a[i : i + 1].get()[0])
+
+    prefix = "table.device()"
+    if found["indptr_first"] >= 0:
+        raise PageTableError(f"{prefix}: indptr[0] must be 0, got {value(indptr, 0)}")
+    i = found["indptr_decreasing"]
+    if i >= 0:
+        raise PageTableError(
+            f"{prefix}: request {i}: indptr must be non-decreasing, but "
+            f"indptr[{i}]={value(indptr, i)} > indptr[{i + 1}]={value(indptr, i + 1)}"
+        )
+    if found["indptr_last"] >= 0:
+        raise PageTableError(
+            f"{prefix}: indptr[-1] must equal len(indices): indptr[-1]={value(indptr, B)}, "
+            f"len(indices)={indices.shape[0]}"
+        )
+    k = found["page_id"]
+    if k >= 0:
+        raise PageTableError(
+            f"{prefix}: request {_owner(table.indptr, k)}: page id {value(indices, k)} at indices[{k}] "
+            f"is out of range [0, num_pages={num_pages})"
+        )
+    rules = {
+        "last": lambda i: f"last_page_len must be in [1, page_size={P}] for a request with pages, "
+        f"got {value(last, i)}",
+        "off": lambda i: f"first_page_offset must be in [0, page_size={P}), got {value(off, i)}",
+        "one_page": lambda i: "a one-page request needs first_page_offset < last_page_len, got "
+        f"first_page_offset={value(off, i)}, last_page_len={value(last, i)}",
+        "zero_page_off": lambda i: f"a zero-page request needs first_page_offset == 0, got {value(off, i)}",
+        "zero_page_last": lambda i: f"a zero-page request needs last_page_len in [0, page_size={P}], "
+        f"got {value(last, i)}",
+    }
+    hits = [(found[r], n, r) for n, r in enumerate(rules) if found[r] >= 0]
+    if hits:
+        i, _, r = min(hits)  # the lowest request; rules in the order above break ties
+        raise PageTableError(f"{prefix}: request {i}: {rules[r](i)}")
+    for name, d, h in zip(DeviceTable._fields, dev, host):
+        k = found[f"differs_{name}"]
+        if k >= 0:
+            where = f"request {_owner(table.indptr, k)}" if name == "indices" else (
+                f"request {min(k, B - 1) if name == 'indptr' else k}")
+            raise PageTableError(
+                f"{prefix}: {where}: {name}[{k}] = {value(d, k)} differs from the host table's {int(h[k])}; "
+                "the device copy was written after the table was built"
+            )
+
+
+def check_out_overlap(out) -> None:
+    """Raise :class:`~cupaged.errors.LayoutError` when elements of ``out``
+    may share memory (e.g. a ``broadcast_to`` view): sorted by stride, each
+    dimension of size > 1 must step past the whole extent of the smaller
+    ones. Conservative: an exotic interleaved but disjoint layout is refused
+    too (this runs only with ``validate=True``)."""
+    dims = sorted((abs(s), n) for s, n in zip(out.strides, out.shape) if n > 1)
+    extent = out.itemsize  # bytes spanned by one element
+    for stride, n in dims:
+        if stride < extent:
+            raise LayoutError(
+                f"out's elements overlap (shape {out.shape}, strides {out.strides}): several "
+                "outputs would be written to one address; pass a C-contiguous out"
+            )
+        extent = stride * (n - 1) + extent

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Where the host time of one ``cupaged.decode`` call goes (held plan, ``out``
+given, no graph): the median of N calls, then a cProfile of the same calls
+sorted by own time. Exit status: 0 ran, 3 no CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--calls", type=int, default=2000)
+    args = p.parse_args(argv)
+    _common.require_gpu()
+    import cupy
+    import numpy as np
+
+    import cupaged
+
+    layout = _common.plan_layout(args.batch, args.ctx, 16, seed=1, mid_page=False, page_order="random")
+    dev = _common.make_device_batch(layout, 32, 8, 128, np.float16, seed=1)
+    plan = cupaged.plan_decode(dev.table, 32, 8, 128, np.float16)
+    out = cupy.empty_like(dev.q)
+
+    def call():
+        cupaged.decode(dev.q, dev.k_cache, dev.v_cache, dev.table, plan, out=out)
+
+    for _ in range(50):
+        call()
+    cupy.cuda.Device().synchronize()
+    times = []
+    for _ in range(args.calls):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e6)
+        if len(times) % 100 == 0:  # keep the launch queue short
+            cupy.cuda.Device().synchronize()
+    cupy.cuda.Device().synchronize()
+    print(f"host us per decode call: median {statistics.median(times):.2f}, "
+          f"p10 {np.percentile(times, 10):.2f}, p90 {np.percentile(times, 90):.2f} ({args.calls} calls)")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        call()
+    prof.disable()
+    cupy.cuda.Device().synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
