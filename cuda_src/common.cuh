@@ -51,6 +51,10 @@ template <> struct Storage<f16> {
     half2_to_float2(v.z, f[4], f[5]); half2_to_float2(v.w, f[6], f[7]);
   }
   __device__ __forceinline__ static void store(f16* p, float x) {
+    // Outputs are convex combinations of f16 values, so a finite x beyond
+    // 65504 is rounding (P rounded for the tensor cores): saturate it rather
+    // than store inf. inf and NaN pass through.
+    if (fabsf(x) > 65504.f && fabsf(x) != __int_as_float(0x7f800000)) x = copysignf(65504.f, x);
     unsigned short r;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
     p->bits = r;
