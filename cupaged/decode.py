@@ -180,15 +180,24 @@ def _check_sm_scale(sm_scale) -> float:
 
 
 def _kernel_decline_reason(q, k_cache, v_cache) -> str | None:
-    """Why the CUDA kernels cannot serve these tensors (None when they can)."""
+    """Why the CUDA kernels cannot serve these tensors (None when they can).
+
+    On the hot path: plain attribute reads and one OR per array (no
+    generators); the alignment test ORs the pointer and the strides, so one
+    ``& 15`` covers them all (negative strides included)."""
     head_dim = q.shape[-1]
     if head_dim not in _configs.HEAD_DIMS:
         return f"head_dim {head_dim} has no kernel instance (supported: {_configs.HEAD_DIMS})"
-    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if a.strides[-1] != a.itemsize:
-            return f"{name}'s head_dim is not contiguous"
-        if a.data.ptr % 16 or any(s % 16 for s in a.strides[:-1]):
-            return f"{name} is not 16-byte aligned (base pointer or strides)"
+    qs, ks, vs = q.strides, k_cache.strides, v_cache.strides
+    isz = q.itemsize
+    if qs[2] != isz or ks[3] != isz or vs[3] != isz:
+        name = "q" if qs[2] != isz else "k_cache" if ks[3] != isz else "v_cache"
+        return f"{name}'s head_dim is not contiguous"
+    if ((q.data.ptr | qs[0] | qs[1]) & 15 or (k_cache.data.ptr | ks[0] | ks[1] | ks[2]) & 15
+            or (v_cache.data.ptr | vs[0] | vs[1] | vs[2]) & 15):
+        name = ("q" if (q.data.ptr | qs[0] | qs[1]) & 15 else
+                "k_cache" if (k_cache.data.ptr | ks[0] | ks[1] | ks[2]) & 15 else "v_cache")
+        return f"{name} is not 16-byte aligned (base pointer or strides)"
     return None
 
 
@@ -294,7 +303,7 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
         sel.method   # "gather"
         sel.reason   # "fallback from v2: head_dim 96 has no kernel instance (supported: (64, 128, 256))"
     """
-    q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
     _check_inputs(q, k_cache, v_cache, table)
     return _select(q, k_cache, v_cache, table, method)
 
@@ -397,7 +406,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     require_gpu("cupaged.decode")
     import cupy
 
-    q, k_cache, v_cache = (_as_cupy(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
     dtype = _check_inputs(q, k_cache, v_cache, table)
     if q.data.device_id != cupy.cuda.runtime.getDevice():
         _raise_not_current(q)
