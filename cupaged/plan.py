@@ -26,7 +26,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with np.dtype)
 import numpy as np
 
-from .errors import PlanMismatchError
+from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
 
 __all__ = [
     "MAX_HEADS_PER_CTA",
@@ -82,10 +82,10 @@ SUPPORTED_DTYPES = (
 def _positive_int(value: Any, name: str) -> int:
     """``value`` as a Python int >= 1, else ValueError naming ``name``."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
     value = int(value)
     if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value}")
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value}")
     return value
 
 
@@ -93,16 +93,16 @@ def _request_pages(request_pages: Any) -> np.ndarray:
     """``request_pages`` as a 1-D non-negative int64 array."""
     arr = np.asarray(request_pages)
     if arr.ndim != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"request_pages must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return arr.astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"request_pages must hold integers, got dtype {arr.dtype}")
     arr = arr.astype(np.int64, copy=False)
     if arr.min() < 0:
-        raise ValueError("request_pages must be non-negative")
+        raise InvalidArgumentError("request_pages must be non-negative")
     return arr
 
 
@@ -110,10 +110,10 @@ def _kv_dtype(dtype: Any) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"dtype must be float16, float32 or bfloat16, got {dtype!r}") from exc
     if dt not in SUPPORTED_DTYPES:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"dtype must be float16, float32 or bfloat16, got {dt}")
     return dt
 
@@ -277,11 +277,11 @@ def _env_positive_int(name: str) -> int | None:
     try:
         value = int(raw.strip())
     except ValueError:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"environment variable {name} must be a positive integer, "
             f"got {raw!r}") from None
     if value < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"environment variable {name} must be a positive integer, "
             f"got {raw!r}")
     return value
@@ -321,7 +321,7 @@ def resolve_target_ctas(target_ctas: int | None = None,
 def _readonly_int32(arr: Any, name: str) -> np.ndarray:
     a = np.asarray(arr)
     if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+        raise InvalidArgumentError(f"{name} must be 1-D, got shape {a.shape}")
     a = np.array(a, dtype=np.int32, copy=True, order="C")
     a.flags.writeable = False
     return a
@@ -512,7 +512,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         ``plan.matches(table)``.
 
     Raises:
-        ValueError naming the argument: an empty batch (``B == 0``); a size
+        InvalidArgumentError (a ValueError; ShapeError for heads not divisible, ArgumentTypeError for a table that is not a PageTable) naming the argument: an empty batch (``B == 0``); a size
         (heads, ``head_dim``, ``pages_per_chunk``, ``target_ctas``,
         ``num_sms``) that is not a positive integer; ``num_qo_heads`` not a
         multiple of ``num_kv_heads``; ``head_dim`` not a multiple of 8; an
@@ -535,16 +535,16 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     >>> cupaged.plan_decode(table, 32, 8, 100, np.float16)
     Traceback (most recent call last):
         ...
-    ValueError: head_dim must be a positive multiple of 8, got 100
+    cupaged.errors.InvalidArgumentError: head_dim must be a positive multiple of 8, got 100
     """
     hq = _positive_int(num_qo_heads, "num_qo_heads")
     hkv = _positive_int(num_kv_heads, "num_kv_heads")
     if hq % hkv:
-        raise ValueError(
+        raise ShapeError(
             f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
     d = _positive_int(head_dim, "head_dim")
     if d % 8:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"head_dim must be a positive multiple of 8, got {d}")
     dt = _kv_dtype(dtype)
     if pages_per_chunk is not None:
@@ -554,15 +554,19 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if num_sms is not None:
         num_sms = _positive_int(num_sms, "num_sms")
 
+    if not all(hasattr(table, a) for a in ("batch_size", "page_size", "request_pages")):
+        raise ArgumentTypeError(
+            f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
+            f"got {type(table).__name__}")
     batch = int(table.batch_size)
     if batch < 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             "table has batch size 0: there is nothing to plan (a plan's grid "
             "must be launchable)")
     page_size = int(table.page_size)
     pages = np.asarray(table.request_pages, dtype=np.int64)
     if pages.shape != (batch,):
-        raise ValueError(
+        raise InvalidArgumentError(
             f"table.request_pages must have shape ({batch},), got {pages.shape}")
 
     group = hq // hkv
@@ -570,7 +574,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     q_groups = group // hpc
     grid_y = hkv * q_groups
     if grid_y > MAX_GRID_YZ:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"num_kv_heads * q_groups = {hkv} * {q_groups} = {grid_y} exceeds "
             f"the CUDA grid limit {MAX_GRID_YZ} (grid y); too many heads")
 
@@ -585,7 +589,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     req_chunks = _chunks_per_request(pages, c)
     n = int(req_chunks.sum())
     if n > MAX_GRID_X:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"{n} chunks exceed the CUDA grid limit {MAX_GRID_X} (grid x); "
             f"raise pages_per_chunk")
     o_indptr = np.zeros(batch + 1, dtype=np.int64)
