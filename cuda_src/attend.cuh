@@ -115,6 +115,25 @@ struct AttendScratch {
   };
 };
 
+// Walks the visible slots [slot_begin, slot_end) of one request in windows of
+// PAGE_WINDOW pages, shared by both attention cores: stages each window's
+// page ids in shared memory (page_ids[p - win] is page p's id) and calls
+// body(win, s0, s1) with the window's first page and its slot range. All
+// THREADS threads of the CTA call it.
+template <int THREADS, typename Body>
+__device__ __forceinline__ void for_each_page_window(const int* __restrict__ req_pages, int page_size,
+                                                     int slot_begin, int slot_end, int* page_ids, Body&& body) {
+  const int first_page = slot_begin / page_size;
+  const int end_page = slot_end > slot_begin ? (slot_end + page_size - 1) / page_size : first_page;
+  for (int win = first_page; win < end_page; win += PAGE_WINDOW) {
+    const int win_end = min(win + PAGE_WINDOW, end_page);
+    __syncthreads();  // the previous window's ids are no longer read
+    for (int i = threadIdx.x; i < win_end - win; i += THREADS) page_ids[i] = req_pages[win + i];
+    __syncthreads();
+    body(win, max(slot_begin, win * page_size), min(slot_end, win_end * page_size));
+  }
+}
+
 // Attends query heads [0, HEADS) at q (head stride stride_q_head) over the
 // visible slots [slot_begin, slot_end) of one request; a slot s lives in page
 // req_pages[s / page_size] at entry s % page_size. Calls
@@ -163,16 +182,10 @@ __device__ __forceinline__ void cta_attend(
 
   const long long k_head = (long long)kv_head * ks.head + Map::dim(li, 0);
   const long long v_head = (long long)kv_head * vs.head + Map::dim(li, 0);
-  const int first_page = slot_begin / page_size;
-  const int end_page = slot_end > slot_begin ? (slot_end + page_size - 1) / page_size : first_page;
   const int lane_offset = warp * GPW + group;  // this lane's token within a tile row
 
-  for (int win = first_page; win < end_page; win += PAGE_WINDOW) {
-    const int win_end = min(win + PAGE_WINDOW, end_page);
-    __syncthreads();  // the previous window's ids are no longer read
-    for (int i = tid; i < win_end - win; i += NUM_THREADS) sm.page_ids[i] = req_pages[win + i];
-    __syncthreads();
-    const int s0 = max(slot_begin, win * page_size), s1 = min(slot_end, win_end * page_size);
+  for_each_page_window<NUM_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
+                                    [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + TILE - 1) / TILE;
 
     // Copies tile `it` into its ring stage (zero-filled past s1); always
@@ -265,7 +278,7 @@ __device__ __forceinline__ void cta_attend(
       }
     }
     cp_async_wait<0>();  // only empty groups remain; keeps the ring idle at window end
-  }
+  });
 
   // Combine the lane groups of this warp (same dims, different tokens).
 #pragma unroll

@@ -151,15 +151,9 @@ __device__ __forceinline__ void cta_attend_mma(
   const long long v_head = (long long)kv_head * vs.head;
   const int my_col = (lane % CHUNKS_PER_ROW) * 8;
   const int my_row = lane / CHUNKS_PER_ROW;
-  const int first_page = slot_begin / page_size;
-  const int end_page = slot_end > slot_begin ? (slot_end + page_size - 1) / page_size : first_page;
 
-  for (int win = first_page; win < end_page; win += PAGE_WINDOW) {
-    const int win_end = min(win + PAGE_WINDOW, end_page);
-    __syncthreads();
-    for (int i = tid; i < win_end - win; i += MMA_THREADS) sm.page_ids[i] = req_pages[win + i];
-    __syncthreads();
-    const int s0 = max(slot_begin, win * page_size), s1 = min(slot_end, win_end * page_size);
+  for_each_page_window<MMA_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
+                                    [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + CTA_TILE - 1) / CTA_TILE;
 
     auto issue = [&](int it) {
@@ -268,7 +262,7 @@ __device__ __forceinline__ void cta_attend_mma(
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
-  }
+  });
 
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);

@@ -12,6 +12,7 @@ allocated and passed. Every output element is written by exactly one CTA, so
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -461,17 +462,10 @@ def _elem_strides(a, ndim: int):
     return tuple(np.int64(s // isz) for s in a.strides[:ndim])
 
 
-_FLOAT_BITS: dict[float, int] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _f32_bits(x: float) -> int:
     """A float32 kernel argument as the integer its 4 bytes spell (cached)."""
-    bits = _FLOAT_BITS.get(x)
-    if bits is None:
-        if len(_FLOAT_BITS) > 64:
-            _FLOAT_BITS.clear()
-        bits = _FLOAT_BITS[x] = int(np.float32(x).view(np.uint32))
-    return bits
+    return int(np.float32(x).view(np.uint32))
 
 
 # Argument slots of paged_decode_partial (cuda_src/paged_decode_partial.cu),
@@ -481,6 +475,12 @@ _V2_ARGS = ("q", "sq_b", "sq_h", "k", "sk_p", "sk_t", "sk_h", "v", "sv_p", "sv_t
             "chunk_request", "o_indptr", "pages_per_chunk", "page_size", "num_qo_heads", "group_size", "q_groups",
             "scale", "partial_v", "partial_lse", "counters", "out", "so_b", "so_h", "lse")
 _SLOT = {name: i for i, name in enumerate(_V2_ARGS)}
+# The slot runs a call rewrites: q, k, v with their strides; the table; the
+# scale; out, its strides and lse.
+_ARRAYS = slice(_SLOT["q"], _SLOT["sv_h"] + 1)
+_TABLE = slice(_SLOT["indices"], _SLOT["first_page_offset"] + 1)
+_SCALE = _SLOT["scale"]
+_OUT = slice(_SLOT["out"], _SLOT["lse"] + 1)
 
 
 class _PlanBuffers:
@@ -541,14 +541,14 @@ class _PlanBuffers:
         s = self.slots
         isz = q.itemsize
         qs, ks, vs, os_ = q.strides, k_cache.strides, v_cache.strides, out.strides
-        s[0:11] = (q.data.ptr, qs[0] // isz, qs[1] // isz,
+        s[_ARRAYS] = (q.data.ptr, qs[0] // isz, qs[1] // isz,
                    k_cache.data.ptr, ks[0] // isz, ks[1] // isz, ks[2] // isz,
                    v_cache.data.ptr, vs[0] // isz, vs[1] // isz, vs[2] // isz)
         if table is not self.table:
-            s[11:15] = tuple(a.data.ptr for a in table.device())
+            s[_TABLE] = tuple(a.data.ptr for a in table.device())
             self.table = table
-        s[22] = _f32_bits(scale)
-        s[26:30] = (out.data.ptr, os_[0] // isz, os_[1] // isz, 0 if lse is None else lse.data.ptr)
+        s[_SCALE] = _f32_bits(scale)
+        s[_OUT] = (out.data.ptr, os_[0] // isz, os_[1] // isz, 0 if lse is None else lse.data.ptr)
         g, b = self.grid, self.block
         self._launch(self.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
                      self._current_stream().ptr, self.params_ptr, 0)

@@ -1049,11 +1049,17 @@ def plot(rows: list[dict], methods: list[str], path: str, title: str = "") -> No
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("TB/s (visible KV + q + out)")
     axes[0][-1].legend(fontsize=8)
+    _save_figure(fig, path, title, dpi=120)
+
+
+def _save_figure(fig, path: str, title: str, dpi: int) -> None:
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
 
 
@@ -1100,12 +1106,7 @@ def plot_suite(rows: list[dict], path: str, title: str = "") -> None:
                 ax.set_xlabel("context (tokens)")
         axes[i][0].set_ylabel("TB/s")
     axes[0][-1].legend(fontsize=7)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save_figure(fig, path, title, dpi=100)
 
 
 def run_meta(args: argparse.Namespace, argv, flashinfer: FlashInfer | None, planned: int) -> dict:
