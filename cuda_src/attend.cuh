@@ -22,22 +22,44 @@ constexpr int PAGE_WINDOW = 256;
 // How one warp covers head_dim rows. With few query heads per CTA a lane
 // takes two 16-byte vectors of a row (fewer lanes per row: fewer shuffle
 // stages and less address math per token); with many heads one vector keeps
-// q and the accumulators within the register budget.
+// q and the accumulators within the register budget. A row of ACTIVE lanes
+// sits in a power-of-two group of TPR lanes (the xor reductions need one):
+// head_dim 96 in fp16 is 12 vectors, 6 or 12 active lanes in groups of 8 or
+// 16; the idle lanes hold zeros.
 template <typename T, int HEAD_DIM, int HEADS>
 struct RowMap {
   static constexpr int VEC = Storage<T>::VEC;
   static constexpr int NVEC = HEAD_DIM / VEC;                 // 16-byte vectors per row
-  static constexpr int WANT_VPT = HEADS <= 4 && NVEC >= 2 ? 2 : 1;
-  static constexpr int TPR = NVEC / WANT_VPT < 32 ? NVEC / WANT_VPT : 32;  // lanes per token row
-  static constexpr int VPT = NVEC / TPR;                       // vectors per lane
+  // (two vectors only when NVEC is a power of two: 96's six-lane rows spill)
+  static constexpr int WANT_VPT = HEADS <= 4 && NVEC >= 2 && (NVEC & (NVEC - 1)) == 0 ? 2 : 1;
+  static constexpr int ACTIVE = NVEC / WANT_VPT < 32 ? NVEC / WANT_VPT : 32;  // lanes holding data
+  static constexpr int TPR = ACTIVE <= 1 ? 1 : ACTIVE <= 2 ? 2 : ACTIVE <= 4 ? 4 : ACTIVE <= 8 ? 8
+                             : ACTIVE <= 16 ? 16 : 32;          // lanes per token row (a power of two)
+  static constexpr int VPT = NVEC / ACTIVE;                    // vectors per lane
   static constexpr int GPW = 32 / TPR;                         // token groups per warp
   static constexpr int EPT = VPT * VEC;                        // elements per lane
   // Tokens per lane per pipeline stage: two amortize the loop when a lane
   // holds one vector; the ring stays within RING_BYTES either way.
   static constexpr int UNROLL = VPT == 1 ? 2 : 1;
-  static_assert(HEAD_DIM % VEC == 0 && NVEC % TPR == 0, "head_dim must be a multiple of 16 bytes");
-  // Lane li of a group holds elements [v*TPR*VEC + li*VEC, +VEC) for v < VPT.
-  __device__ __forceinline__ static int dim(int li, int v) { return v * TPR * VEC + li * VEC; }
+  static_assert(HEAD_DIM % VEC == 0 && NVEC % ACTIVE == 0, "head_dim must be a multiple of 16 bytes");
+  // Lane li < ACTIVE of a group holds elements [v*ACTIVE*VEC + li*VEC, +VEC) for v < VPT.
+  __device__ __forceinline__ static int dim(int li, int v) { return v * ACTIVE * VEC + li * VEC; }
+};
+
+// How raw scores q.k become base-2 logits: s = dot * scale, then with a
+// soft cap s = soft_cap * tanh(s) (Gemma-2's cap * tanh(x / cap), with the
+// 1/cap folded into scale and log2(e) into soft_cap); soft_cap == 0 turns it
+// off. out_scale multiplies the output (the V dequantization scale).
+struct ScoreMap {
+  float scale, soft_cap, out_scale;
+  __device__ __forceinline__ float cap(float s) const { return soft_cap * fast_tanh(s); }  // when soft_cap > 0
+  // tanh(x) = (e - 1) / (e + 1) with e = 2^(2|x| log2 e): absolute error
+  // ~2e-7 (ex2.approx and a fast divide), a few instructions instead of
+  // tanhf's slow path, which cost the CUDA-core core its register budget.
+  __device__ __forceinline__ static float fast_tanh(float x) {
+    const float e = fast_exp2(2.8853900817779268f * fabsf(x));  // 2 log2(e) |x|
+    return copysignf(1.f - __fdividef(2.f, e + 1.f), x);
+  }
 };
 
 // Resident CTAs per SM the register allocation must allow: 3 for small
@@ -74,9 +96,10 @@ struct WarpStates {
 };
 
 // Combines the warps' states (thread per head and 4 dims) and emits the
-// normalized output and its log2 LSE. Call after a barrier that publishes st.
+// normalized output (times out_scale) and its log2 LSE. Call after a barrier that publishes st.
 template <int WARPS, int THREADS, int HEADS, int HEAD_DIM, typename Emit>
-__device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEAD_DIM>& st, Emit& emit) {
+__device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEAD_DIM>& st, float out_scale,
+                                              Emit& emit) {
   constexpr int D4 = HEAD_DIM / 4;
   for (int item = threadIdx.x; item < HEADS * D4; item += THREADS) {
     const int h = item / D4, d = (item % D4) * 4;
@@ -93,7 +116,7 @@ __device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEA
       const float4 a = *reinterpret_cast<const float4*>(&st.acc[w][h][d]);
       o.x += a.x * wgt; o.y += a.y * wgt; o.z += a.z * wgt; o.w += a.w * wgt;
     }
-    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    const float inv = denom > 0.f ? out_scale / denom : 0.f;
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
     emit.value(h, d, o);
     if (d == 0) emit.lse(h, denom > 0.f ? m_safe + fast_log2(denom) : neg_inf());
@@ -146,7 +169,7 @@ __device__ __forceinline__ void for_each_page_window(const int* __restrict__ req
 // holding them in registers.
 template <typename T, int HEAD_DIM, int HEADS, typename Emit>
 __device__ __forceinline__ void cta_attend(
-    const T* __restrict__ q, long long stride_q_head, float scale_log2,
+    const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
     const T* __restrict__ k_cache, CacheStrides ks,
     const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
     const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
@@ -154,21 +177,28 @@ __device__ __forceinline__ void cta_attend(
   using Map = RowMap<T, HEAD_DIM, HEADS>;
   using S = Storage<T>;
   constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
+  constexpr int ACTIVE = Map::ACTIVE;
   constexpr int UNROLL = Map::UNROLL;
   constexpr int STAGES = Pipeline<T, HEAD_DIM, HEADS>::STAGES;
   constexpr int TILE = NUM_WARPS * GPW * UNROLL;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / TPR, li = lane % TPR;
+  const bool active = ACTIVE == TPR || li < ACTIVE;  // idle lanes (li >= ACTIVE) hold zeros
 
   float qf[HEADS][EPT];
 #pragma unroll
   for (int h = 0; h < HEADS; ++h)
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
-      S::unpack(load_vec(q + h * stride_q_head + Map::dim(li, v)), &qf[h][v * VEC]);
+      if (active) {
+        S::unpack(load_vec(q + h * stride_q_head + Map::dim(li, v)), &qf[h][v * VEC]);
+      } else {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] *= scale_log2;
+        for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] = 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] *= sc.scale;
     }
 
   float m[HEADS], l[HEADS], acc[HEADS][EPT];
@@ -180,8 +210,8 @@ __device__ __forceinline__ void cta_attend(
     for (int e = 0; e < EPT; ++e) acc[h][e] = 0.f;
   }
 
-  const long long k_head = (long long)kv_head * ks.head + Map::dim(li, 0);
-  const long long v_head = (long long)kv_head * vs.head + Map::dim(li, 0);
+  const long long k_head = (long long)kv_head * ks.head + (active ? Map::dim(li, 0) : 0);
+  const long long v_head = (long long)kv_head * vs.head + (active ? Map::dim(li, 0) : 0);
   const int lane_offset = warp * GPW + group;  // this lane's token within a tile row
 
   for_each_page_window<NUM_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
@@ -196,7 +226,7 @@ __device__ __forceinline__ void cta_attend(
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
           const int pos = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset;
-          const bool valid = pos < s1;
+          const bool valid = active && pos < s1;
           const T* kp = k_cache;
           const T* vp = v_cache;
           if (valid) {
@@ -208,8 +238,8 @@ __device__ __forceinline__ void cta_attend(
           }
 #pragma unroll
           for (int v = 0; v < VPT; ++v) {
-            cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * TPR * VEC, valid);
-            cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * TPR * VEC, valid);
+            cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * ACTIVE * VEC, valid);
+            cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * ACTIVE * VEC, valid);
           }
         }
       }
@@ -238,10 +268,19 @@ __device__ __forceinline__ void cta_attend(
           float dot = 0.f;
 #pragma unroll
           for (int e = 0; e < EPT; ++e) dot = fmaf(qf[h][e], kf[e], dot);
-          dot = group_sum<TPR>(dot);
-          s[u][h] = valid[u] ? dot : neg_inf();
+          s[u][h] = group_sum<TPR>(dot);
         }
       }
+      if (sc.soft_cap > 0.f) {  // uniform: one branch per tile, not per score
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+          for (int h = 0; h < HEADS; ++h) s[u][h] = sc.cap(s[u][h]);
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) s[u][h] = valid[u] ? s[u][h] : neg_inf();
 
       // One rescale per tile and head, not per token.
       float p[UNROLL][HEADS];
@@ -301,7 +340,7 @@ __device__ __forceinline__ void cta_attend(
   }
 
   __syncthreads();  // every lane is done with the ring before it becomes the combine buffer
-  if (group == 0) {
+  if (group == 0 && active) {
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
       if (li == 0) {
@@ -319,7 +358,7 @@ __device__ __forceinline__ void cta_attend(
   }
   __syncthreads();
 
-  emit_combined<NUM_WARPS, NUM_THREADS>(sm.combine, emit);
+  emit_combined<NUM_WARPS, NUM_THREADS>(sm.combine, sc.out_scale, emit);
 }
 
 // Emits into a [rows, heads, HEAD_DIM] output of storage T with strides, and

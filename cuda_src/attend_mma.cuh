@@ -1,5 +1,8 @@
-// Tensor-core attention core for 16-bit KV (fp16, bf16): the same contract
-// as cta_attend (attend.cuh), computed with mma.sync.m16n8k16 (f32 accumulate).
+// Tensor-core attention core for 16-bit KV (fp16, bf16) and fp8 (e4m3) KV:
+// the same contract as cta_attend (attend.cuh), computed with
+// mma.sync.m16n8k16 (f32 accumulate). fp8 K/V are widened to f16 in
+// registers (cvt.rn.f16x2.e4m3x2, exact) right before their MMA, so the ring
+// carries half the bytes of fp16.
 //
 // Why: on CUDA cores every K/V element costs a multiply-add per query head
 // plus shuffle reductions, and the SM issue rate, not memory, bounds decode
@@ -87,60 +90,119 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem)
 constexpr int MMA_SMEM_BYTES = CUPAGED_MMA_SMEM_KB * 1024;
 constexpr int MMA_MAX_STAGES = 8;
 
-template <int HEAD_DIM>
+// Shared-memory rows hold one token's head_dim of K or V in the cache's
+// storage type, padded by 16 bytes so ldmatrix's 8 rows hit distinct banks.
+template <typename KV, int HEAD_DIM>
 struct MmaLayout {
-  static constexpr int ROW = HEAD_DIM + 8;  // elements per smem row: +16 bytes, conflict-free ldmatrix
-  static constexpr int STAGE_BYTES = MMA_WARPS * 2 * MMA_TILE * ROW * 2;
+  static constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(KV) + 16;
+  static constexpr int CPR = HEAD_DIM * (int)sizeof(KV) / 16;  // 16-byte chunks per token row
+  static constexpr int STAGE_BYTES = MMA_WARPS * 2 * MMA_TILE * ROW_BYTES;
   static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;
   static constexpr int STAGES = BUDGET / STAGE_BYTES < MMA_MAX_STAGES ? BUDGET / STAGE_BYTES : MMA_MAX_STAGES;
   static_assert(STAGES >= 2, "the K/V ring needs two stages: raise CUPAGED_MMA_SMEM_KB");
+  static_assert(HEAD_DIM % 32 == 0 && (MMA_TILE * CPR) % 32 == 0, "unsupported HEAD_DIM");
 };
 
-template <typename T, int HEAD_DIM, int HEADS>
+template <typename T, typename KV, int HEAD_DIM, int HEADS>
 struct MmaScratch {
-  using L = MmaLayout<HEAD_DIM>;
+  using L = MmaLayout<KV, HEAD_DIM>;
   int page_ids[PAGE_WINDOW];
   union __align__(16) {
-    unsigned short kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW];  // [stage][warp][K or V][token][dim]
+    unsigned char kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW_BYTES];  // [stage][warp][K or V][token][bytes]
     WarpStates<MMA_WARPS, HEADS, HEAD_DIM> combine;
   };
 };
 
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+template <bool C, typename A, typename B> struct Select { using type = A; };
+template <typename A, typename B> struct Select<false, A, B> { using type = B; };
+
+// Two e4m3 (low byte first) as the f16x2 B operand; prmt 0x3120 first splits
+// a register of ldmatrix.trans into its even and odd bytes.
+__device__ __forceinline__ unsigned fp8_lo(unsigned x) { return e4m3x2_to_f16x2((unsigned short)(x & 0xffffu)); }
+__device__ __forceinline__ unsigned fp8_hi(unsigned x) { return e4m3x2_to_f16x2((unsigned short)(x >> 16)); }
+__device__ __forceinline__ unsigned byte_deinterleave(unsigned x) {
+  unsigned r;
+  asm("prmt.b32 %0, %1, 0, 0x3120;" : "=r"(r) : "r"(x));
+  return r;
+}
+
+// Loads query row g's A fragments (KSTEPS k-steps of 16 dims). 16-bit KV:
+// natural order, a0 = Q[16k + 2t, +1], a2 = Q[16k + 2t + 8, +1]. fp8 KV: the
+// reduction runs over a permuted dim order that matches what ldmatrix hands
+// out for 16 one-byte dims (a lane gets dims 4t..4t+3 of a 16-dim block), so
+// a0 = Q[16k + 4t, +1], a2 = Q[16k + 4t + 2, +1], converted to f16 (the MMA
+// type for fp8; a bf16 q is first scaled by a power of two into f16 range,
+// returned as q_unscale so the scores can be scaled back exactly).
+template <typename T, bool FP8, int KSTEPS>
+__device__ __forceinline__ float load_q_fragments(const T* __restrict__ q, bool row_valid, int t,
+                                                  unsigned (&qa)[KSTEPS][2]) {
+  if constexpr (!FP8 || IsSame<T, f16>::value) {
+#pragma unroll
+    for (int k = 0; k < KSTEPS; ++k) {
+      if (row_valid) {
+        const unsigned* qr = reinterpret_cast<const unsigned*>(q + k * 16 + (FP8 ? 4 : 2) * t);
+        qa[k][0] = __ldg(qr);
+        qa[k][1] = __ldg(qr + (FP8 ? 1 : 4));
+      } else {
+        qa[k][0] = qa[k][1] = 0u;
+      }
+    }
+    return 1.f;
+  } else {  // bf16 q over fp8 KV
+    float f[KSTEPS][4];
+    float mx = 0.f;
+#pragma unroll
+    for (int k = 0; k < KSTEPS; ++k) {
+      const uint2 u = row_valid ? __ldg(reinterpret_cast<const uint2*>(q + k * 16 + 4 * t)) : make_uint2(0u, 0u);
+      f[k][0] = __uint_as_float(u.x << 16); f[k][1] = __uint_as_float(u.x & 0xffff0000u);
+      f[k][2] = __uint_as_float(u.y << 16); f[k][3] = __uint_as_float(u.y & 0xffff0000u);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) mx = fmaxf(mx, fabsf(f[k][e]));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    // Largest |q| at most 2^14 after scaling: products with e4m3 (<= 448)
+    // stay finite in the f32 accumulator and q keeps f16's 11-bit mantissa.
+    const float unscale = mx > 16384.f ? exp2f(ceilf(log2f(mx / 16384.f))) : 1.f;
+    const float mult = 1.f / unscale;  // an exact power of two
+#pragma unroll
+    for (int k = 0; k < KSTEPS; ++k) {
+      qa[k][0] = float2_to_f16x2(f[k][0] * mult, f[k][1] * mult);
+      qa[k][1] = float2_to_f16x2(f[k][2] * mult, f[k][3] * mult);
+    }
+    return unscale;
+  }
+}
+
 // Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
-template <typename T, int HEAD_DIM, int HEADS, typename Emit>
+// T is the query/output storage type, KV the cache's (T, or e4m3).
+template <typename T, typename KV, int HEAD_DIM, int HEADS, typename Emit>
 __device__ __forceinline__ void cta_attend_mma(
-    const T* __restrict__ q, long long stride_q_head, float scale_log2,
-    const T* __restrict__ k_cache, CacheStrides ks,
-    const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
+    const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
+    const KV* __restrict__ k_cache, CacheStrides ks,
+    const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
     const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
-    MmaScratch<T, HEAD_DIM, HEADS>& sm, Emit& emit) {
+    MmaScratch<T, KV, HEAD_DIM, HEADS>& sm, Emit& emit) {
   static_assert(HEADS <= 8, "query heads are MMA rows 0..7");
-  using L = MmaLayout<HEAD_DIM>;
-  using M = Mma<T>;
+  constexpr bool FP8 = IsSame<KV, e4m3>::value;
+  using L = MmaLayout<KV, HEAD_DIM>;
+  using M = Mma<typename Select<FP8, f16, T>::type>;
   constexpr int STAGES = L::STAGES;
   constexpr int KSTEPS = HEAD_DIM / 16;
   constexpr int NT = HEAD_DIM / 8;                       // output n-tiles
-  constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;           // 16-byte chunks per token row
-  constexpr int ROWS_PER_PASS = 32 / CHUNKS_PER_ROW;
-  constexpr int PASSES = MMA_TILE / ROWS_PER_PASS;
+  constexpr int CPR = L::CPR;                            // 16-byte chunks per token row
+  constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(KV);
+  constexpr int PASSES = MMA_TILE * CPR / 32;            // chunks each lane copies per tile
   constexpr int CTA_TILE = MMA_WARPS * MMA_TILE;
-  static_assert(32 % CHUNKS_PER_ROW == 0 && MMA_TILE % ROWS_PER_PASS == 0, "unsupported HEAD_DIM");
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // MMA fragment row (query head) and column pair
 
-  // Q as A fragments: a0 = Q[g][16k + 2t, +1], a2 = Q[g][16k + 2t + 8, +1].
   unsigned qa[KSTEPS][2];
-#pragma unroll
-  for (int k = 0; k < KSTEPS; ++k) {
-    if (g < HEADS) {
-      const unsigned* qr = reinterpret_cast<const unsigned*>(q + g * stride_q_head + k * 16 + 2 * t);
-      qa[k][0] = __ldg(qr);
-      qa[k][1] = __ldg(qr + 4);
-    } else {
-      qa[k][0] = qa[k][1] = 0u;
-    }
-  }
+  const float q_unscale = load_q_fragments<T, FP8, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qa);
+  const float score_scale = sc.scale * q_unscale;
 
   float o[NT][4];
 #pragma unroll
@@ -149,8 +211,6 @@ __device__ __forceinline__ void cta_attend_mma(
 
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
-  const int my_col = (lane % CHUNKS_PER_ROW) * 8;
-  const int my_row = lane / CHUNKS_PER_ROW;
 
   for_each_page_window<MMA_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
                                     [&](int win, int s0, int s1) {
@@ -160,30 +220,36 @@ __device__ __forceinline__ void cta_attend_mma(
       if (it < n_iter) {
         const int stage = it % STAGES;
         const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
-        // One division per tile; the lane's rows then advance ROWS_PER_PASS
-        // slots per pass (at most one page step unless page_size is tiny).
-        int p = (base + my_row) / page_size;
-        int slot = base + my_row - p * page_size;
+        // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).
+        // One division per tile; later rows advance the (page, slot) pair
+        // (at most one page step unless page_size is tiny).
+        int row = lane / CPR;
+        int p = (base + row) / page_size;
+        int slot = base + row - p * page_size;
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
-          const int row = my_row + pass * ROWS_PER_PASS;
-          const bool valid = base + row < s1;
+          const int c = lane + 32 * pass;
+          // (32 % CPR == 0: every lane's rows advance 32 / CPR per pass)
+          const int r = 32 % CPR == 0 ? lane / CPR + pass * (32 / CPR) : c / CPR;
+          const int col = (32 % CPR == 0 ? lane % CPR : c % CPR) * ELEMS_PER_CHUNK;
           if (pass > 0) {
-            slot += ROWS_PER_PASS;
+            slot += 32 % CPR == 0 ? 32 / CPR : r - row;
+            row = r;
             while (slot >= page_size) {
               slot -= page_size;
               ++p;
             }
           }
-          const T* kp = k_cache;
-          const T* vp = v_cache;
+          const bool valid = base + r < s1;
+          const KV* kp = k_cache;
+          const KV* vp = v_cache;
           if (valid) {
             const long long page = sm.page_ids[p - win];
-            kp = k_cache + page * ks.page + slot * ks.token + k_head + my_col;
-            vp = v_cache + page * vs.page + slot * vs.token + v_head + my_col;
+            kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
+            vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
           }
-          cp_async_16(&sm.kv[stage][warp][0][row][my_col], kp, valid);
-          cp_async_16(&sm.kv[stage][warp][1][row][my_col], vp, valid);
+          cp_async_16(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)], kp, valid);
+          cp_async_16(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)], vp, valid);
         }
       }
       cp_async_commit();
@@ -197,32 +263,58 @@ __device__ __forceinline__ void cta_attend_mma(
       cp_async_wait<STAGES - 1>();
       __syncwarp();  // other lanes' copies of this stage are visible
       const int stage = it % STAGES;
-      const unsigned short(*kt)[L::ROW] = sm.kv[stage][warp][0];
-      const unsigned short(*vt)[L::ROW] = sm.kv[stage][warp][1];
+      const unsigned char(*kt)[L::ROW_BYTES] = sm.kv[stage][warp][0];
+      const unsigned char(*vt)[L::ROW_BYTES] = sm.kv[stage][warp][1];
       const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
 
-      // S = Q K^T: two n-tiles of 8 tokens; one ldmatrix.x4 covers 32 dims.
+      // S = Q K^T: two n-tiles of 8 tokens.
       float s[2][4];
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      if constexpr (FP8) {
+        // One ldmatrix.x4 covers 32 dims of both n-tiles: matrix j is
+        // tokens (j % 2) * 8.. and bytes 16 * (j / 2).. of the 32-dim block.
 #pragma unroll
-        for (int k = 0; k < KSTEPS; k += 2) {
+        for (int kb = 0; kb < HEAD_DIM / 32; ++kb) {
           unsigned b[4];
-          ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][k * 16 + (lane / 8) * 8]);
-          M::mma(s[n], qa[k][0], qa[k][1], b[0], b[1]);
-          M::mma(s[n], qa[k + 1][0], qa[k + 1][1], b[2], b[3]);
+          ldmatrix_x4(b, &kt[((lane / 8) % 2) * 8 + (lane % 8)][kb * 32 + (lane / 16) * 16]);
+          M::mma(s[0], qa[2 * kb][0], qa[2 * kb][1], fp8_lo(b[0]), fp8_hi(b[0]));
+          M::mma(s[1], qa[2 * kb][0], qa[2 * kb][1], fp8_lo(b[1]), fp8_hi(b[1]));
+          M::mma(s[0], qa[2 * kb + 1][0], qa[2 * kb + 1][1], fp8_lo(b[2]), fp8_hi(b[2]));
+          M::mma(s[1], qa[2 * kb + 1][0], qa[2 * kb + 1][1], fp8_lo(b[3]), fp8_hi(b[3]));
         }
+      } else {
+        // One ldmatrix.x4 covers 32 dims of one n-tile.
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int k = 0; k < KSTEPS; k += 2) {
+            unsigned b[4];
+            ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][(k * 16 + (lane / 8) * 8) * 2]);
+            M::mma(s[n], qa[k][0], qa[k][1], b[0], b[1]);
+            M::mma(s[n], qa[k + 1][0], qa[k + 1][1], b[2], b[3]);
+          }
       }
 
       // Online softmax of row g over this tile's 16 tokens (4 lanes per row).
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][0] *= score_scale;
+        s[n][1] *= score_scale;
+      }
+      if (sc.soft_cap > 0.f) {  // uniform branch
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          s[n][0] = sc.cap(s[n][0]);
+          s[n][1] = sc.cap(s[n][1]);
+        }
+      }
       float mx = neg_inf();
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const bool valid = base + n * 8 + 2 * t + e < s1;
-          s[n][e] = valid ? s[n][e] * scale_log2 : neg_inf();
+          if (base + n * 8 + 2 * t + e >= s1) s[n][e] = neg_inf();
           mx = fmaxf(mx, s[n][e]);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -251,13 +343,30 @@ __device__ __forceinline__ void cta_attend_mma(
       const unsigned pa0 = M::pack(p[0][0], p[0][1]);
       const unsigned pa2 = M::pack(p[1][0], p[1][1]);
 
-      // O += P V: one ldmatrix.x4.trans gives the B fragments of 16 dims.
+      if constexpr (FP8) {
+        // ldmatrix.trans of one-byte V gives a lane dims 2g, 2g+1 of tokens
+        // 2t, 2t+1; split into even and odd dims, each is a B fragment, so
+        // n-tile 4db + 2h + par holds dims 32db + 16h + 2j + par (j = column).
 #pragma unroll
-      for (int n = 0; n < NT; n += 2) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][n * 8 + (lane / 16) * 8]);
-        M::mma(o[n], pa0, pa2, b[0], b[1]);
-        M::mma(o[n + 1], pa0, pa2, b[2], b[3]);
+        for (int db = 0; db < HEAD_DIM / 32; ++db) {
+          unsigned b[4];
+          ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][db * 32 + (lane / 16) * 16]);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const unsigned k0 = byte_deinterleave(b[2 * h]), k1 = byte_deinterleave(b[2 * h + 1]);
+            M::mma(o[4 * db + 2 * h], pa0, pa2, fp8_lo(k0), fp8_lo(k1));
+            M::mma(o[4 * db + 2 * h + 1], pa0, pa2, fp8_hi(k0), fp8_hi(k1));
+          }
+        }
+      } else {
+        // O += P V: one ldmatrix.x4.trans gives the B fragments of 16 dims.
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+          unsigned b[4];
+          ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][(n * 8 + (lane / 16) * 8) * 2]);
+          M::mma(o[n], pa0, pa2, b[0], b[1]);
+          M::mma(o[n + 1], pa0, pa2, b[2], b[3]);
+        }
       }
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
@@ -272,12 +381,25 @@ __device__ __forceinline__ void cta_attend_mma(
       sm.combine.m[warp][g] = m;
       sm.combine.l[warp][g] = l;
     }
+    float* acc = sm.combine.acc[warp][g];
+    if constexpr (FP8) {
+      // columns 2t, 2t+1 of n-tiles (4db + 2h, +1) are dims 32db + 16h + 4t + {0, 2} and {1, 3}
 #pragma unroll
-    for (int n = 0; n < NT; ++n)
-      *reinterpret_cast<float2*>(&sm.combine.acc[warp][g][n * 8 + 2 * t]) = make_float2(o[n][0], o[n][1]);
+      for (int db = 0; db < HEAD_DIM / 32; ++db)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float* e = o[4 * db + 2 * h];
+          const float* od = o[4 * db + 2 * h + 1];
+          *reinterpret_cast<float4*>(&acc[32 * db + 16 * h + 4 * t]) = make_float4(e[0], od[0], e[1], od[1]);
+        }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        *reinterpret_cast<float2*>(&acc[n * 8 + 2 * t]) = make_float2(o[n][0], o[n][1]);
+    }
   }
   __syncthreads();
-  emit_combined<MMA_WARPS, MMA_THREADS>(sm.combine, emit);
+  emit_combined<MMA_WARPS, MMA_THREADS>(sm.combine, sc.out_scale, emit);
 }
 
 }  // namespace cupaged

@@ -10,6 +10,21 @@ namespace cupaged {
 // header is needed; the conversions below are one PTX instruction each.
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
+// fp8 KV storage (float8_e4m3fn bits); only the tensor-core core reads it.
+struct e4m3 { unsigned char bits; };
+
+// Two e4m3 values (low byte first) -> f16x2, exactly (sm_89+).
+__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned short v) {
+  unsigned r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(v));
+  return r;
+}
+// f32 pair -> f16x2 (lo in the low half).
+__device__ __forceinline__ unsigned float2_to_f16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

@@ -11,7 +11,8 @@
 // read); a row with no finite partial (or none at all) gets zeros and -inf.
 //
 // Grid: x = output row (M rows), y = ceil(num_heads / HEADS_PER_CTA).
-// Block: 128 threads; HEAD_DIM / 4 threads per head, each owning 4 dims.
+// Block: 128 threads; HEAD_DIM / 4 threads per head, each owning 4 dims;
+// HEADS_PER_CTA = 128 / (HEAD_DIM / 4) heads per block (leftover threads idle).
 // Pointers:
 //   v        [N, num_heads, HEAD_DIM] float32 contiguous
 //   lse      [N, num_heads] float32 contiguous, log2 units
@@ -31,11 +32,12 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_states(
     float* __restrict__ lse_out) {
   constexpr int THREADS_PER_HEAD = HEAD_DIM / 4;
   constexpr int HEADS_PER_CTA = MERGE_THREADS / THREADS_PER_HEAD;
-  static_assert(HEAD_DIM % 4 == 0 && MERGE_THREADS % THREADS_PER_HEAD == 0, "unsupported HEAD_DIM");
+  static_assert(HEAD_DIM % 4 == 0 && HEADS_PER_CTA >= 1, "unsupported HEAD_DIM");
   const int row = blockIdx.x;
   const int h = blockIdx.y * HEADS_PER_CTA + threadIdx.x / THREADS_PER_HEAD;
   const int d = (threadIdx.x % THREADS_PER_HEAD) * 4;
-  if (h >= num_heads) return;
+  // (head_dim 96: 5 heads of 24 threads, the last 8 threads idle)
+  if (h >= num_heads || threadIdx.x >= HEADS_PER_CTA * THREADS_PER_HEAD) return;
   float4 o;
   float lse_row;
   merge_partials(v, lse, o_indptr[row], o_indptr[row + 1], num_heads, HEAD_DIM, h, d, o, lse_row);

@@ -1,11 +1,17 @@
-// paged_decode_partial<T, HEAD_DIM, HEADS, CORE>: split-KV paged-attention
-// decode, merge fused in (one launch per decode step). CORE picks the
-// attention core: Core::SIMT (CUDA cores, any dtype, 128 threads, attend.cuh)
-// or Core::MMA (tensor cores, fp16/bf16, 64 threads, attend_mma.cuh).
+// paged_decode_partial<T, KV, HEAD_DIM, HEADS, CORE>: split-KV paged-attention
+// decode, merge fused in (one launch per decode step). T is the query/output
+// storage type, KV the cache's (T itself, or e4m3 under a 16-bit T). CORE
+// picks the attention core: Core::SIMT (CUDA cores, KV == T any dtype, 128
+// threads, attend.cuh) or Core::MMA (tensor cores, fp16/bf16/fp8 KV,
+// MMA_THREADS threads, attend_mma.cuh).
 //
 // For every chunk of the plan and every query head it attends the head's
-// query over the chunk's visible tokens: scores are scaled by
-// sm_scale * log2(e) and exponentiated with exp2, so LSEs are in log2 units.
+// query over the chunk's visible tokens. Base-2 logits: s = (q.k) * scale_k
+// with scale_k = scale * k_head_scale[kv_head]; when soft_cap > 0 then
+// s = soft_cap * tanh(s) (the host passes scale = sm_scale * k_scale / cap
+// and soft_cap = cap * log2(e); else scale = sm_scale * k_scale * log2(e)).
+// exp2 softmax, so LSEs are in log2 units; the output is multiplied by
+// v_scale * v_head_scale[kv_head] (dequantized V, linear in V).
 // A request with one chunk writes its normalized result straight to final_out
 // (and final_lse). A request with several chunks writes each chunk's partial
 // (normalized by the chunk's own softmax denominator, float32) and its LSE to
@@ -25,7 +31,9 @@
 //
 // Pointers (element strides are in elements of T; head_dim is contiguous):
 //   q                [batch, num_qo_heads, HEAD_DIM] T, strides (stride_q_batch, stride_q_head, 1)
-//   k_cache, v_cache [num_pages, page_size, num_kv_heads, HEAD_DIM] T, NHD, strides per CacheStrides
+//   k_cache, v_cache [num_pages, page_size, num_kv_heads, HEAD_DIM] KV, strides per CacheStrides
+//                    (elements of KV; NHD, or HND passed as NHD strides)
+//   k_head_scale, v_head_scale [num_kv_heads] float32 per-head dequantization scales, or null (1)
 //   indices          [indptr[batch]] int32 physical page ids
 //   indptr           [batch + 1] int32;  last_page_len, first_page_offset [batch] int32
 //   chunk_request    [num_chunks] int32; o_indptr [batch + 1] int32
@@ -50,11 +58,11 @@ namespace cupaged {
 // Attention core of the partial kernel; mirrored by cupaged/_configs.py CORES.
 enum class Core { SIMT = 0, MMA = 1 };
 
-template <Core CORE, typename T, int HEAD_DIM, int HEADS>
+template <Core CORE, typename T, typename KV, int HEAD_DIM, int HEADS>
 struct AttendCore;
 
 template <typename T, int HEAD_DIM, int HEADS>
-struct AttendCore<Core::SIMT, T, HEAD_DIM, HEADS> {
+struct AttendCore<Core::SIMT, T, T, HEAD_DIM, HEADS> {
   static constexpr int THREADS = NUM_THREADS;
   static constexpr int MIN_BLOCKS = MinBlocks<HEADS>::value;
   using Scratch = AttendScratch<T, HEAD_DIM, HEADS>;
@@ -69,11 +77,11 @@ struct AttendCore<Core::SIMT, T, HEAD_DIM, HEADS> {
   }
 };
 
-template <typename T, int HEAD_DIM, int HEADS>
-struct AttendCore<Core::MMA, T, HEAD_DIM, HEADS> {
+template <typename T, typename KV, int HEAD_DIM, int HEADS>
+struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS> {
   static constexpr int THREADS = MMA_THREADS;
   static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;
-  using Scratch = MmaScratch<T, HEAD_DIM, HEADS>;
+  using Scratch = MmaScratch<T, KV, HEAD_DIM, HEADS>;
   static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this
   static_assert(sizeof(Scratch) <= MMA_SMEM_BYTES, "MMA scratch exceeds its shared memory budget");
   __device__ __forceinline__ static Scratch& scratch() {
@@ -82,25 +90,26 @@ struct AttendCore<Core::MMA, T, HEAD_DIM, HEADS> {
   }
   template <typename Emit, typename... Args>
   __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
-    cta_attend_mma<T, HEAD_DIM, HEADS>(args..., sm, emit);
+    cta_attend_mma<T, KV, HEAD_DIM, HEADS>(args..., sm, emit);
   }
 };
 
-template <typename T, int HEAD_DIM, int HEADS, Core CORE>
-__global__ void __launch_bounds__(AttendCore<CORE, T, HEAD_DIM, HEADS>::THREADS,
-                                  AttendCore<CORE, T, HEAD_DIM, HEADS>::MIN_BLOCKS) paged_decode_partial(
+template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE>
+__global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THREADS,
+                                  AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::MIN_BLOCKS) paged_decode_partial(
     const T* __restrict__ q, long long stride_q_batch, long long stride_q_head,
-    const T* __restrict__ k_cache, long long stride_k_page, long long stride_k_token, long long stride_k_head,
-    const T* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
+    const KV* __restrict__ k_cache, long long stride_k_page, long long stride_k_token, long long stride_k_head,
+    const KV* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
     const int* __restrict__ indices, const int* __restrict__ indptr,
     const int* __restrict__ last_page_len, const int* __restrict__ first_page_offset,
     const int* __restrict__ chunk_request, const int* __restrict__ o_indptr,
     int pages_per_chunk, int page_size, int num_qo_heads, int group_size, int q_groups,
-    float scale_log2,
+    float scale, float soft_cap, float v_scale,
+    const float* __restrict__ k_head_scale, const float* __restrict__ v_head_scale,
     float* __restrict__ partial_v, float* __restrict__ partial_lse, int* __restrict__ merge_counters,
     T* __restrict__ final_out, long long stride_o_batch, long long stride_o_head,
     float* __restrict__ final_lse) {
-  using Attn = AttendCore<CORE, T, HEAD_DIM, HEADS>;
+  using Attn = AttendCore<CORE, T, KV, HEAD_DIM, HEADS>;
   typename Attn::Scratch& sm = Attn::scratch();
   __shared__ int is_last;
   // A launch with less dynamic shared memory than the core needs would write
@@ -120,19 +129,21 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, HEAD_DIM, HEADS>::THREADS,
                 min((j + 1) * pages_per_chunk, pages), slot_begin, slot_end);
 
   const T* q_cta = q + req * stride_q_batch + head0 * stride_q_head;
+  const ScoreMap sc{k_head_scale == nullptr ? scale : scale * k_head_scale[kv_head], soft_cap,
+                    v_head_scale == nullptr ? v_scale : v_scale * v_head_scale[kv_head]};
   const CacheStrides ks{stride_k_page, stride_k_token, stride_k_head};
   const CacheStrides vs{stride_v_page, stride_v_token, stride_v_head};
   T* out = final_out + req * stride_o_batch + head0 * stride_o_head;
   float* lse_out = final_lse == nullptr ? nullptr : final_lse + (long long)req * num_qo_heads + head0;
   if (num_chunks == 1) {
     EmitStrided<T> emit{out, stride_o_head, lse_out};
-    Attn::run(sm, emit, q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head, indices + page0,
+    Attn::run(sm, emit, q_cta, stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices + page0,
               page_size, slot_begin, slot_end);
     return;
   }
   const long long row = (long long)chunk * num_qo_heads + head0;
   EmitStrided<float> emit{partial_v + row * HEAD_DIM, HEAD_DIM, partial_lse + row};
-  Attn::run(sm, emit, q_cta, stride_q_head, scale_log2, k_cache, ks, v_cache, vs, kv_head, indices + page0,
+  Attn::run(sm, emit, q_cta, stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices + page0,
             page_size, slot_begin, slot_end);
 
   // Release this CTA's partial, then take a ticket; the last one merges.

@@ -3,6 +3,8 @@
 //
 // Computes the attention of one query head over all visible tokens of one
 // request and writes the final output (and optionally its LSE, log2 units).
+// Scores and soft cap as paged_decode_partial (scale, soft_cap; per-tensor
+// scales only: the host folds k_scale into scale), output times v_scale.
 // Grid: x = request, y = query head. Block: NUM_THREADS (128) threads that
 // split the request's tokens among themselves (the KV split happens inside
 // the CTA, so parallelism does not grow with context). Query head h reads
@@ -27,7 +29,7 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_v1(
     const T* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
     const int* __restrict__ indices, const int* __restrict__ indptr,
     const int* __restrict__ last_page_len, const int* __restrict__ first_page_offset,
-    int page_size, int num_qo_heads, int group_size, float scale_log2,
+    int page_size, int num_qo_heads, int group_size, float scale, float soft_cap, float v_scale,
     T* __restrict__ out, long long stride_o_batch, long long stride_o_head, float* __restrict__ lse) {
   __shared__ AttendScratch<T, HEAD_DIM, 1> sm;
   const int req = blockIdx.x, head = blockIdx.y;
@@ -37,7 +39,8 @@ __global__ void __launch_bounds__(NUM_THREADS, 1) paged_decode_v1(
   visible_slots(pages, first_page_offset[req], last_page_len[req], page_size, 0, pages, slot_begin, slot_end);
   EmitStrided<T> emit{out + req * stride_o_batch + head * stride_o_head, stride_o_head,
                       lse == nullptr ? nullptr : lse + (long long)req * num_qo_heads + head};
-  cta_attend<T, HEAD_DIM, 1>(q + req * stride_q_batch + head * stride_q_head, stride_q_head, scale_log2,
+  cta_attend<T, HEAD_DIM, 1>(q + req * stride_q_batch + head * stride_q_head, stride_q_head,
+                             ScoreMap{scale, soft_cap, v_scale},
                              k_cache, CacheStrides{stride_k_page, stride_k_token, stride_k_head},
                              v_cache, CacheStrides{stride_v_page, stride_v_token, stride_v_head},
                              head / group_size, indices + page0, page_size, slot_begin, slot_end, sm, emit);

@@ -18,7 +18,17 @@ DTYPES: dict[str, str] = {
     "bfloat16": "cupaged::bf16",
     "float32": "float",
 }
-HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 256)
+# fp8 KV cache: CuPy has no float8 dtype, so an e4m3 cache is a uint8 array of
+# float8_e4m3fn bit patterns; q and out stay float16 or bfloat16.
+FP8 = "float8_e4m3fn"
+KV_STORAGE: dict[str, str] = {FP8: "cupaged::e4m3"}
+# q dtype -> KV dtypes a kernel pairs it with (the first is q's own).
+KV_DTYPES: dict[str, tuple[str, ...]] = {
+    "float16": ("float16", FP8),
+    "bfloat16": ("bfloat16", FP8),
+    "float32": ("float32",),
+}
 # Query heads one CTA of the partial kernel serves (plan.heads_per_cta picks
 # the largest divisor of the GQA group size in this range).
 HEADS_PER_CTA: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -45,18 +55,54 @@ MMA_MIN_BLOCKS: int = int(os.environ.get("CUPAGED_MMA_MIN_BLOCKS", "2"))
 # longer fit in registers); CUDA cores for everything, float32 included (tf32
 # would break its 1e-5 tolerance). Dispatch prefers the first core listed in
 # CORE_PREFERENCE that serves the call (env CUPAGED_CORE overrides).
+# A core's dtypes are module variants (see variant()): "float16+float8_e4m3fn"
+# is fp16 q over an fp8 cache, served by the tensor cores only (the CUDA-core
+# mapping would need twice the registers per lane for 16 fp8 elements).
 CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
     "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
-    "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS, ("float16", "bfloat16"), (64, 128)),
+    "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS,
+             ("float16", "bfloat16", f"float16+{FP8}", f"bfloat16+{FP8}"), (64, 96, 128)),
 }
 CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
+
+
+def variant(dtype: str, kv_dtype: str | None = None) -> str:
+    """Module variant name of (q dtype, KV dtype): the q dtype when they agree,
+    else ``"<q>+<kv>"``; ``ValueError`` listing the supported pairs."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return dtype
+    if kv_dtype not in KV_DTYPES.get(dtype, ()):
+        pairs = ", ".join(f"{q} q with {kv} KV" for q, kvs in KV_DTYPES.items() for kv in kvs)
+        raise ValueError(f"unsupported q/KV dtype pair {dtype}/{kv_dtype}; supported: {pairs}")
+    return f"{dtype}+{kv_dtype}"
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """(q dtype, KV dtype) of a module variant name."""
+    q, _, kv = name.partition("+")
+    return q, kv or q
+
+
+def _storage(variant_name: str) -> str:
+    """C++ template arguments ``T, KV`` of a variant."""
+    q, kv = split_variant(variant_name)
+    return f"{DTYPES[q]}, {KV_STORAGE.get(kv, DTYPES.get(kv))}"
+
 
 # kernel family -> source file in cuda_src/
 SOURCES: dict[str, str] = {
     "partial": "paged_decode_partial.cu",
     "v1": "paged_decode_v1.cu",
     "merge": "merge_states.cu",
+    "append": "append_kv.cu",
 }
+
+# append_kv (cuda_src/append_kv.cu) takes head_dim at run time: one module per
+# new-token dtype, keyed head_dim APPEND_ANY_HEAD_DIM. Its instances write a
+# cache of the same dtype or of float8 e4m3fn bits (KV_STORAGE[FP8]).
+APPEND_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
+APPEND_ANY_HEAD_DIM = 0
+APPEND_CACHE_TYPES: tuple[str, ...] = ("same", FP8)  # index = instance index
 
 
 _NAMES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16",
@@ -87,16 +133,19 @@ def check_head_dim(head_dim: int) -> None:
 
 
 def name_expressions(family: str, dtype: str, head_dim: int) -> list[str]:
-    """Template instances of one compiled module: (family, dtype, head_dim)."""
-    t = DTYPES[dtype]
+    """Template instances of one compiled module: (family, dtype, head_dim);
+    ``dtype`` is a module variant (:func:`variant`) for the partial family."""
     if family == "partial":
-        return [f"cupaged::paged_decode_partial<{t}, {head_dim}, {h}, {core}>"
+        return [f"cupaged::paged_decode_partial<{_storage(dtype)}, {head_dim}, {h}, {core}>"
                 for core, _, dtypes, dims in CORES.values() if dtype in dtypes and head_dim in dims
                 for h in HEADS_PER_CTA]
+    t = DTYPES[dtype]
     if family == "v1":
         return [f"cupaged::paged_decode_v1<{t}, {head_dim}>"]
     if family == "merge":  # dtype is the output dtype
         return [f"cupaged::merge_states<{t}, {head_dim}>"]
+    if family == "append":  # dtype is k_new's; head_dim is a run-time argument
+        return [f"cupaged::append_kv<{t}, {t if c == 'same' else KV_STORAGE[c]}>" for c in APPEND_CACHE_TYPES]
     raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
 
 
@@ -114,7 +163,12 @@ def choose_core(dtype: str, head_dim: int, requested: str | None = None) -> str:
         if not serves(requested, dtype, head_dim):
             raise ValueError(f"core {requested!r} does not serve {dtype} with head_dim {head_dim}")
         return requested
-    return next(c for c in CORE_PREFERENCE if serves(c, dtype, head_dim))
+    for c in CORE_PREFERENCE:
+        if serves(c, dtype, head_dim):
+            return c
+    served = "; ".join(f"{c}: {', '.join(CORES[c][2])} at head_dim {', '.join(map(str, CORES[c][3]))}"
+                       for c in CORE_PREFERENCE)
+    raise ValueError(f"no kernel serves {dtype} with head_dim {head_dim} (served: {served})")
 
 
 def dynamic_smem(core: str) -> int:
@@ -129,13 +183,19 @@ def nvrtc_defines() -> tuple[str, ...]:
 
 
 def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> tuple[int, int]:
-    """(index into name_expressions("partial", ...), threads per CTA) of one instance."""
+    """(index into name_expressions("partial", dtype, ...), threads per CTA) of
+    one instance; ``dtype`` is a module variant."""
     if not serves(core, dtype, head_dim):
         raise ValueError(f"core {core!r} does not serve {dtype} with head_dim {head_dim}")
-    name = f"cupaged::paged_decode_partial<{DTYPES[dtype]}, {head_dim}, {heads_per_cta}, {CORES[core][0]}>"
+    name = f"cupaged::paged_decode_partial<{_storage(dtype)}, {head_dim}, {heads_per_cta}, {CORES[core][0]}>"
     return name_expressions("partial", dtype, head_dim).index(name), CORES[core][1]
 
 
 def all_modules() -> list[tuple[str, str, int]]:
-    """Every (family, dtype, head_dim) module the library can compile."""
-    return [(f, d, h) for f in SOURCES for d in DTYPES for h in HEAD_DIMS]
+    """Every (family, dtype, head_dim) module the library can compile (the
+    partial family also over its mixed q/KV variants)."""
+    mods = ([(f, d, h) for f in SOURCES if f != "append" for d in DTYPES for h in HEAD_DIMS]
+            + [("append", d, APPEND_ANY_HEAD_DIM) for d in APPEND_DTYPES])
+    mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if "+" in d})
+    return mods + [("partial", d, h) for d in mixed for h in HEAD_DIMS
+                   if any(d in dtypes and h in dims for _, _, dtypes, dims in CORES.values())]

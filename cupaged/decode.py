@@ -17,10 +17,12 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _configs, _loader
+from ._arrays import as_cupy as _as_cupy, dlpack_on_gpu as _dlpack_on_gpu  # noqa: F401 (moved there)
 from ._device import require_gpu
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
@@ -70,31 +72,6 @@ class Selection:
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
-def _as_cupy(x, name: str):
-    import cupy
-
-    if isinstance(x, cupy.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
-    if hasattr(x, "__dlpack__") and _dlpack_on_gpu(x):
-        return cupy.from_dlpack(x)
-    hint = f"; copy it to the GPU first, e.g. cupy.asarray({name})" if isinstance(x, np.ndarray) else ""
-    raise ArgumentTypeError(
-        f"{name} must be a CuPy array (or a CUDA array via __cuda_array_interface__ / DLPack), "
-        f"got {type(x).__module__}.{type(x).__name__}{hint}"
-    )
-
-
-def _dlpack_on_gpu(x) -> bool:
-    """True when a DLPack producer says its data lives on a CUDA device."""
-    try:
-        device_type = int(x.__dlpack_device__()[0])
-    except Exception:  # no or a broken __dlpack_device__: let CuPy decide
-        return True
-    return device_type in (2, 13)  # kDLCUDA, kDLCUDAManaged
-
-
 def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
     """Shape/dtype/device checks that cost no device sync; returns the dtype name."""
     if not isinstance(table, PageTable):
@@ -108,17 +85,7 @@ def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
         )
     if k_cache.shape != v_cache.shape:
         raise ShapeError(f"k_cache and v_cache must have one shape, got {k_cache.shape} and {v_cache.shape}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise DTypeError(
-            f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
-        )
-    try:
-        name = _configs.dtype_name(q.dtype)
-    except ValueError:
-        raise DTypeError(
-            f"q, k_cache and v_cache have dtype {q.dtype}, which no kernel serves; "
-            f"supported: {', '.join(_configs.DTYPES)}"
-        ) from None
+    name = _dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_qo_heads, q_dim = q.shape
     if q_dim != head_dim:
@@ -140,6 +107,29 @@ def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
             f"{q.data.device_id}, {k_cache.data.device_id}, {v_cache.data.device_id}"
         )
     return name
+
+
+_UINT8 = np.dtype(np.uint8)
+
+
+def _dtype_variant(q_dtype, k_dtype, v_dtype) -> str:
+    """Module variant of (q, caches): the shared dtype's name, or
+    ``"<q>+float8_e4m3fn"`` for uint8 (e4m3 bits) caches under a 16-bit q."""
+    fp8 = k_dtype == _UINT8
+    if k_dtype != v_dtype or not (fp8 or q_dtype == k_dtype):
+        raise DTypeError(
+            f"q, k_cache and v_cache must share one dtype, or the caches hold fp8 (uint8 e4m3 bits) under a "
+            f"float16/bfloat16 q; got {q_dtype}, {k_dtype}, {v_dtype}"
+        )
+    try:
+        name = _configs.dtype_name(q_dtype)
+        return _configs.variant(name, _configs.FP8) if fp8 else name
+    except ValueError:
+        pairs = ", ".join(f"{qd} q with {kv} KV" for qd, kvs in _configs.KV_DTYPES.items() for kv in kvs)
+        raise DTypeError(
+            f"q has dtype {q_dtype} and the caches {k_dtype}, which no kernel serves; supported: {pairs} "
+            "(an fp8 cache is a uint8 array of float8_e4m3fn bits)"
+        ) from None
 
 
 def _raise_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int):
@@ -180,8 +170,9 @@ def _check_sm_scale(sm_scale) -> float:
     return scale
 
 
-def _kernel_decline_reason(q, k_cache, v_cache) -> str | None:
-    """Why the CUDA kernels cannot serve these tensors (None when they can).
+def _kernel_decline_reason(q, k_cache, v_cache, method: str = "v2", variant: str = "") -> str | None:
+    """Why the CUDA kernels of ``method`` cannot serve these tensors (None
+    when they can).
 
     On the hot path: plain attribute reads and one OR per array (no
     generators); the alignment test ORs the pointer and the strides, so one
@@ -189,10 +180,14 @@ def _kernel_decline_reason(q, k_cache, v_cache) -> str | None:
     head_dim = q.shape[-1]
     if head_dim not in _configs.HEAD_DIMS:
         return f"head_dim {head_dim} has no kernel instance (supported: {_configs.HEAD_DIMS})"
+    if "+" in variant:  # fp8 KV: tensor cores only
+        if method == "v1":
+            return "v1 has no fp8 KV instance (v2 serves fp8 at head_dim 64, 96, 128)"
+        if not _configs.serves("mma", variant, head_dim):
+            return f"no kernel serves fp8 KV at head_dim {head_dim} (v2 serves it at 64, 96, 128)"
     qs, ks, vs = q.strides, k_cache.strides, v_cache.strides
-    isz = q.itemsize
-    if qs[2] != isz or ks[3] != isz or vs[3] != isz:
-        name = "q" if qs[2] != isz else "k_cache" if ks[3] != isz else "v_cache"
+    if qs[2] != q.itemsize or ks[3] != k_cache.itemsize or vs[3] != v_cache.itemsize:
+        name = "q" if qs[2] != q.itemsize else "k_cache" if ks[3] != k_cache.itemsize else "v_cache"
         return f"{name}'s head_dim is not contiguous"
     if ((q.data.ptr | qs[0] | qs[1]) & 15 or (k_cache.data.ptr | ks[0] | ks[1] | ks[2]) & 15
             or (v_cache.data.ptr | vs[0] | vs[1] | vs[2]) & 15):
@@ -224,10 +219,10 @@ def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str)
         )
     _, num_qo_heads, head_dim = q.shape
     expected = (num_qo_heads, k_cache.shape[2], head_dim, dtype_name)
-    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, _configs.dtype_name(plan.dtype))
+    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, _plan_variant(plan))
     if got != expected:
         raise PlanMismatchError(
-            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype) = {got}, "
+            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype[+kv_dtype]) = {got}, "
             f"the call has {expected}"
         )
     if not plan.matches(table):
@@ -235,6 +230,13 @@ def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str)
             "stale plan: the table's batch, page size or some request's chunk count changed; "
             "build a new one with plan_decode(table, ...)"
         )
+
+
+def _plan_variant(plan: DecodePlan) -> str:
+    """Module variant of a plan's (dtype, kv_dtype)."""
+    kv = getattr(plan, "kv_dtype", None)
+    q = _configs.dtype_name(plan.dtype)
+    return q if kv is None or kv == plan.dtype else _configs.variant(q, np.dtype(kv).name)
 
 
 def _check_core(dtype_name: str, head_dim: int) -> None:
@@ -246,6 +248,81 @@ def _check_core(dtype_name: str, head_dim: int) -> None:
         _configs.choose_core(dtype_name, head_dim, requested)
     except ValueError as e:
         raise UnsupportedConfigError(f"{ENV_CORE}={requested!r}: {e}") from None
+
+
+class ScoreArgs(NamedTuple):
+    """The kernels' score arguments (cuda_src/paged_decode_partial.cu):
+    base-2 logits ``s = (q.k) * scale * k_head_scale[h]``, then with a soft
+    cap ``s = soft_cap * tanh(s)``; the output times ``v_scale *
+    v_head_scale[h]``. The per-head arrays are float32 CuPy ``[Hkv]`` or None."""
+
+    scale: float
+    soft_cap: float = 0.0
+    v_scale: float = 1.0
+    k_head_scale: Any = None
+    v_head_scale: Any = None
+
+
+def _scale_arg(x, name: str, num_kv_heads: int, q):
+    """(per-tensor float, per-head float32 CuPy array or None) of a k/v scale."""
+    if x is None:
+        return 1.0, None
+    if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_)):
+        value = float(x)
+        if not math.isfinite(value) or value <= 0:
+            raise InvalidArgumentError(f"{name} must be a finite positive number, got {x!r}")
+        return value, None
+    arr = _as_cupy(x, name)
+    if arr.shape not in ((num_kv_heads,), (1,)) or arr.dtype != np.float32:
+        raise ShapeError(
+            f"{name} must be a float, or a float32 array of shape ({num_kv_heads},) (one per kv head) or (1,); "
+            f"got shape {arr.shape} dtype {arr.dtype}"
+        )
+    if arr.data.device_id != q.data.device_id:
+        raise DeviceMismatchError(f"{name} must be on q's device {q.data.device_id}, got device {arr.data.device_id}")
+    if arr.shape != (num_kv_heads,):  # (1,): one scale for every head
+        arr = arr.repeat(num_kv_heads)
+    return 1.0, arr if arr.flags.c_contiguous else arr.copy()
+
+
+def _score_args(sm_scale, head_dim: int, logits_soft_cap, k_scale, v_scale, num_kv_heads: int, q) -> ScoreArgs:
+    """The kernels' score arguments of one call (see ScoreArgs)."""
+    sm = 1.0 / math.sqrt(head_dim) if sm_scale is None else _check_sm_scale(sm_scale) / LOG2E
+    k_mult, k_arr = _scale_arg(k_scale, "k_scale", num_kv_heads, q)
+    v_mult, v_arr = _scale_arg(v_scale, "v_scale", num_kv_heads, q)
+    cap = 0.0
+    if logits_soft_cap is not None:
+        try:
+            cap = float(logits_soft_cap)
+        except (TypeError, ValueError):
+            raise ArgumentTypeError(f"logits_soft_cap must be a number or None, got {logits_soft_cap!r}") from None
+        if not math.isfinite(cap) or cap < 0:
+            raise InvalidArgumentError(f"logits_soft_cap must be finite and >= 0 (0 or None: off), got {logits_soft_cap!r}")
+    if cap > 0:
+        scale, soft_cap = sm * k_mult / cap, cap * LOG2E
+    else:
+        scale, soft_cap = sm * k_mult * LOG2E, 0.0
+    if not (math.isfinite(scale) and abs(scale) <= _F32_MAX and abs(soft_cap) <= _F32_MAX):
+        raise InvalidArgumentError("sm_scale * k_scale (/ logits_soft_cap) must stay within float32 range")
+    return ScoreArgs(scale, soft_cap, v_mult, k_arr, v_arr)
+
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def _nhd_views(k_cache, v_cache, kv_layout: str):
+    """NHD views of the caches: HND ``[pages, Hkv, page_size, D]`` is the
+    same memory with the token and head strides swapped (no copy)."""
+    if kv_layout == "NHD":
+        return k_cache, v_cache
+    if kv_layout != "HND":
+        raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise ShapeError(
+            "with kv_layout='HND', k_cache and v_cache must be 4-D [num_pages, num_kv_heads, page_size, head_dim], "
+            f"got shapes {k_cache.shape} and {v_cache.shape}"
+        )
+    return k_cache.transpose(0, 2, 1, 3), v_cache.transpose(0, 2, 1, 3)
 
 
 # ------------------------------------------------------------------------- selection
@@ -265,7 +342,8 @@ def auto_method(table: PageTable) -> Selection:
     return Selection("v2", "auto: split-KV v2 (fastest in every measured cell)")
 
 
-def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto") -> Selection:
+def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto", *,
+                  kv_layout: str = "NHD", per_head_scales: bool = False) -> Selection:
     """The path :func:`decode` takes for these arguments, and why.
 
     Launches nothing. Runs ``decode``'s input checks, but not its GPU check,
@@ -279,13 +357,18 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
             and unchecked (the choice does not depend on it).
         method: ``"auto"`` (default; env ``CUPAGED_DECODE`` overrides it),
             ``"v2"``, ``"v1"`` or ``"gather"``, as for ``decode``.
+        kv_layout: ``"NHD"`` or ``"HND"``, as for ``decode``.
+        per_head_scales: True when the call passes per-head (array)
+            ``k_scale``/``v_scale`` (v1 takes per-tensor scales only).
 
     Returns:
         A :class:`Selection`. The kernels decline a head_dim other than 64,
-        128 or 256, a non-contiguous head_dim, and a base pointer or stride
-        that is not a multiple of 16 bytes; for those the result is
-        ``"gather"`` with the reason, e.g. ``"fallback from v2: head_dim 96
-        has no kernel instance (supported: (64, 128, 256))"``.
+        96, 128 or 256, a non-contiguous head_dim, and a base pointer or
+        stride that is not a multiple of 16 bytes; fp8 KV runs on v2 at
+        head_dim 64, 96 and 128 only; v1 takes no fp8 and no per-head
+        scales. For those the result is ``"gather"`` with the reason, e.g.
+        ``"fallback from v2: head_dim 80 has no kernel instance (supported:
+        (64, 96, 128, 256))"``.
 
     Raises:
         ArgumentTypeError [TypeError] (an input that is not a CuPy/CUDA
@@ -298,25 +381,29 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
     Example (needs a GPU)::
 
         table = cupaged.PageTable.from_seq_lens([100], page_size=16)
-        k = cupy.zeros((7, 16, 2, 96), dtype=cupy.float16)  # head_dim 96: no kernel
-        q = cupy.zeros((1, 8, 96), dtype=cupy.float16)
+        k = cupy.zeros((7, 16, 2, 80), dtype=cupy.float16)  # head_dim 80: no kernel
+        q = cupy.zeros((1, 8, 80), dtype=cupy.float16)
         sel = cupaged.select_method(q, k, k, table, method="v2")
         sel.method   # "gather"
-        sel.reason   # "fallback from v2: head_dim 96 has no kernel instance (supported: (64, 128, 256))"
+        sel.reason   # "fallback from v2: head_dim 80 has no kernel instance (supported: (64, 96, 128, 256))"
     """
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
-    _check_inputs(q, k_cache, v_cache, table)
-    return _select(q, k_cache, v_cache, table, method)
+    k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
+    variant = _check_inputs(q, k_cache, v_cache, table)
+    return _select(q, k_cache, v_cache, table, method, variant, per_head_scales)
 
 
-def _select(q, k_cache, v_cache, table: PageTable, method: str) -> Selection:
+def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "",
+            per_head_scales: bool = False) -> Selection:
     if method not in METHODS:
         raise UnsupportedConfigError(f"method must be one of {METHODS}, got {method!r}")
     if method == "auto":
         method = default_method()
     if method == "gather":
         return Selection("gather", "requested")
-    decline = _kernel_decline_reason(q, k_cache, v_cache)
+    decline = _kernel_decline_reason(q, k_cache, v_cache, method, variant)
+    if decline is None and method == "v1" and per_head_scales:
+        decline = "v1 takes per-tensor k_scale/v_scale only"
     if decline is not None:
         return Selection("gather", f"fallback from {method}: {decline}")
     if method == "auto":
@@ -326,7 +413,8 @@ def _select(q, k_cache, v_cache, table: PageTable, method: str) -> Selection:
 
 # ---------------------------------------------------------------------- the entry
 def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, *, method: str = "auto",
-           sm_scale: float | None = None, out=None, return_lse: bool = False, validate: bool = False):
+           sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale=None, v_scale=None,
+           kv_layout: str = "NHD", out=None, return_lse: bool = False, validate: bool = False):
     """Paged-attention decode: one query token per request against its paged KV.
 
     Args:
@@ -335,8 +423,12 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             (``ml_dtypes.bfloat16``) or float32. The kernels need head_dim
             contiguous and 16-byte aligned rows; otherwise the gather path runs.
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``
-            (NHD) CuPy arrays of q's dtype. The page stride may exceed the
-            page's size (a slice of a larger cache).
+            (NHD; ``[num_pages, num_kv_heads, page_size, head_dim]`` with
+            ``kv_layout="HND"``) CuPy arrays of q's dtype, or **fp8**: uint8
+            arrays of float8_e4m3fn bit patterns (CuPy has no float8 dtype;
+            :func:`cupaged.fp8.to_e4m3` makes them) under a float16/bfloat16
+            q. The page stride may exceed the page's size (a slice of a
+            larger cache).
         table: the :class:`PageTable` (CSR view) of the batch; its page ids
             must be ``< num_pages``.
         plan: a :class:`DecodePlan` from :func:`plan_decode` for this table
@@ -346,14 +438,24 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides; else v2),
             ``"v2"`` (split-KV, merge fused), ``"v1"`` (one CTA per request
             and query head) or ``"gather"`` (CuPy + cuBLAS). The kernels
-            decline a head_dim other than 64/128/256, a non-contiguous
-            head_dim, or a pointer or stride not a multiple of 16 bytes; such
-            calls run the gather path, silently (:func:`select_method` says
-            which path and why). Env ``CUPAGED_CORE=mma|simt`` pins v2's core.
+            decline a head_dim other than 64/96/128/256, a non-contiguous
+            head_dim, or a pointer or stride not a multiple of 16 bytes; fp8
+            runs on v2 at head_dim 64/96/128; v1 takes neither fp8 nor
+            per-head scales. Such calls run the gather path, silently
+            (:func:`select_method` says which path and why). Env
+            ``CUPAGED_CORE=mma|simt`` pins v2's core.
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
+        logits_soft_cap: None or 0 (off), or ``cap > 0``: logits become
+            ``cap * tanh(sm_scale * q.k / cap)`` (Gemma-2) before the softmax.
+        k_scale, v_scale: dequantization scales, None (1), a positive float
+            (per tensor) or a float32 ``[num_kv_heads]`` array on q's device
+            (per kv head): the attention reads ``K = k_cache * k_scale`` and
+            ``V = v_cache * v_scale``. Any KV dtype; meant for fp8.
+        kv_layout: ``"NHD"`` (default) or ``"HND"``, the layout of both caches.
         out: optional output array (q's shape and dtype, head_dim contiguous).
         return_lse: also return the LSE, ``[batch, num_qo_heads]`` float32 in
-            **log2 units** (natural log = lse * ln 2); -inf for an empty request.
+            **log2 units** (natural log = lse * ln 2) of the (capped) logits;
+            -inf for an empty request.
         validate: a debugging aid, off by default. The default checks are
             O(1) host comparisons (no device sync); they trust the device
             copy of the table (``table.device()``). ``validate=True`` also
@@ -408,11 +510,16 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     import cupy
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
+    if kv_layout != "NHD":
+        k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
     dtype = _check_inputs(q, k_cache, v_cache, table)
     if q.data.device_id != cupy.cuda.runtime.getDevice():
         _raise_not_current(q)
     head_dim = q.shape[-1]
-    scale = (1.0 / math.sqrt(head_dim)) * LOG2E if sm_scale is None else _check_sm_scale(sm_scale)
+    if logits_soft_cap is None and k_scale is None and v_scale is None:  # the hot path
+        scores = ScoreArgs((1.0 / math.sqrt(head_dim)) * LOG2E if sm_scale is None else _check_sm_scale(sm_scale))
+    else:
+        scores = _score_args(sm_scale, head_dim, logits_soft_cap, k_scale, v_scale, k_cache.shape[2], q)
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     else:
@@ -423,7 +530,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             check_out_overlap(out)
     lse = cupy.empty(q.shape[:2], dtype=cupy.float32) if return_lse else None
 
-    selection = _select(q, k_cache, v_cache, table, method)
+    selection = _select(q, k_cache, v_cache, table, method, dtype, scores.k_head_scale is not None
+                        or scores.v_head_scale is not None)
     if validate:
         from ._validate import check_device_table
 
@@ -431,15 +539,17 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     if selection.method == "gather":
         from .gather import gather_decode
 
-        gather_decode(q, k_cache, v_cache, table, scale, out, lse)
+        gather_decode(q, k_cache, v_cache, table, scores.scale, out, lse, soft_cap=scores.soft_cap,
+                      v_scale=scores.v_scale, k_head_scale=scores.k_head_scale, v_head_scale=scores.v_head_scale)
     elif q.shape[0] == 0:
         pass  # an empty batch has nothing to launch
     elif selection.method == "v1":
-        _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse)
+        _launch_v1(q, k_cache, v_cache, table, dtype, scores, out, lse)
     else:
         if plan is None:
             _check_core(dtype, head_dim)
-            plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype)
+            plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype,
+                               kv_dtype=None if k_cache.dtype == q.dtype else _configs.FP8)
         else:
             try:
                 buf = _plan_buffers.get(plan)
@@ -452,7 +562,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
                 plan_buffers(plan, dtype).checked_table = weakref.ref(table)
             elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != buf.signature:
                 _check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
-        _launch_v2(q, k_cache, v_cache, table, plan, dtype, scale, out, lse)
+        _launch_v2(q, k_cache, v_cache, table, plan, dtype, scores, out, lse)
     return (out, lse) if return_lse else out
 
 
@@ -473,13 +583,14 @@ def _f32_bits(x: float) -> int:
 _V2_ARGS = ("q", "sq_b", "sq_h", "k", "sk_p", "sk_t", "sk_h", "v", "sv_p", "sv_t", "sv_h",
             "indices", "indptr", "last_page_len", "first_page_offset",
             "chunk_request", "o_indptr", "pages_per_chunk", "page_size", "num_qo_heads", "group_size", "q_groups",
-            "scale", "partial_v", "partial_lse", "counters", "out", "so_b", "so_h", "lse")
+            "scale", "soft_cap", "v_scale", "k_head_scale", "v_head_scale",
+            "partial_v", "partial_lse", "counters", "out", "so_b", "so_h", "lse")
 _SLOT = {name: i for i, name in enumerate(_V2_ARGS)}
 # The slot runs a call rewrites: q, k, v with their strides; the table; the
-# scale; out, its strides and lse.
+# score arguments (ScoreArgs); out, its strides and lse.
 _ARRAYS = slice(_SLOT["q"], _SLOT["sv_h"] + 1)
 _TABLE = slice(_SLOT["indices"], _SLOT["first_page_offset"] + 1)
-_SCALE = _SLOT["scale"]
+_SCORES = slice(_SLOT["scale"], _SLOT["v_head_scale"] + 1)
 _OUT = slice(_SLOT["out"], _SLOT["lse"] + 1)
 
 
@@ -508,6 +619,7 @@ class _PlanBuffers:
             self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
             self.counters = cupy.zeros(plan.batch_size * plan.grid[1], dtype=cupy.int32)
         self.core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
+        self.scores = None  # the ScoreArgs whose values are in the slots
         index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, self.core)
         self.kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
         self.function = self.kernel.kernel.ptr  # CUfunction on the current device (compiles on first use)
@@ -537,17 +649,23 @@ class _PlanBuffers:
         self._current_stream = cupy.cuda.get_current_stream
         self._launch = driver.launchKernel
 
-    def launch(self, q, k_cache, v_cache, table, scale: float, out, lse) -> None:
+    def launch(self, q, k_cache, v_cache, table, scores: ScoreArgs, out, lse) -> None:
         s = self.slots
-        isz = q.itemsize
+        isz, kvsz = q.itemsize, k_cache.itemsize
         qs, ks, vs, os_ = q.strides, k_cache.strides, v_cache.strides, out.strides
         s[_ARRAYS] = (q.data.ptr, qs[0] // isz, qs[1] // isz,
-                   k_cache.data.ptr, ks[0] // isz, ks[1] // isz, ks[2] // isz,
-                   v_cache.data.ptr, vs[0] // isz, vs[1] // isz, vs[2] // isz)
+                   k_cache.data.ptr, ks[0] // kvsz, ks[1] // kvsz, ks[2] // kvsz,
+                   v_cache.data.ptr, vs[0] // kvsz, vs[1] // kvsz, vs[2] // kvsz)
         if table is not self.table:
             s[_TABLE] = tuple(a.data.ptr for a in table.device())
             self.table = table
-        s[_SCALE] = _f32_bits(scale)
+        last = self.scores
+        ka, va = scores.k_head_scale, scores.v_head_scale
+        if (last is None or scores.scale != last.scale or scores.soft_cap != last.soft_cap
+                or scores.v_scale != last.v_scale or ka is not last.k_head_scale or va is not last.v_head_scale):
+            s[_SCORES] = (_f32_bits(scores.scale), _f32_bits(scores.soft_cap), _f32_bits(scores.v_scale),
+                          0 if ka is None else ka.data.ptr, 0 if va is None else va.data.ptr)
+            self.scores = scores  # keeps the per-head arrays alive while their pointers are in the slots
         s[_OUT] = (out.data.ptr, os_[0] // isz, os_[1] // isz, 0 if lse is None else lse.data.ptr)
         g, b = self.grid, self.block
         self._launch(self.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
@@ -564,15 +682,15 @@ def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
     call with this plan: do not run one plan on two streams at once."""
     buf = _plan_buffers.get(plan)
     if buf is None:
-        buf = _plan_buffers[plan] = _PlanBuffers(plan, dtype or _configs.dtype_name(plan.dtype))
+        buf = _plan_buffers[plan] = _PlanBuffers(plan, dtype or _plan_variant(plan))
     return buf
 
 
-def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scale, out, lse):
-    plan_buffers(plan, dtype).launch(q, k_cache, v_cache, table, scale, out, lse)
+def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scores, out, lse):
+    plan_buffers(plan, dtype).launch(q, k_cache, v_cache, table, scores, out, lse)
 
 
-def _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse):
+def _launch_v1(q, k_cache, v_cache, table, dtype, scores: ScoreArgs, out, lse):
     batch, num_qo_heads, head_dim = q.shape
     if batch == 0:
         return
@@ -581,6 +699,7 @@ def _launch_v1(q, k_cache, v_cache, table, dtype, scale, out, lse):
         (batch, num_qo_heads, 1), (_THREADS,),
         (q, *_elem_strides(q, 2), k_cache, *_elem_strides(k_cache, 3), v_cache, *_elem_strides(v_cache, 3),
          *table.device(), np.int32(table.page_size), np.int32(num_qo_heads),
-         np.int32(num_qo_heads // k_cache.shape[2]), np.float32(scale), out, *_elem_strides(out, 2),
+         np.int32(num_qo_heads // k_cache.shape[2]), np.float32(scores.scale), np.float32(scores.soft_cap),
+         np.float32(scores.v_scale), out, *_elem_strides(out, 2),
          _NULL if lse is None else lse),
     )

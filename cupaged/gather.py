@@ -45,10 +45,29 @@ def token_index(table: PageTable):
     return cached
 
 
-def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out, lse=None) -> None:
+_E4M3_LUT = {}  # device id -> float32 [256]: the value of every e4m3 bit pattern
+
+
+def _e4m3_values(device_id: int):
+    lut = _E4M3_LUT.get(device_id)
+    if lut is None:
+        import cupy
+        import ml_dtypes
+
+        lut = _E4M3_LUT[device_id] = cupy.asarray(
+            np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    return lut
+
+
+def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out, lse=None, *,
+                  soft_cap: float = 0.0, v_scale: float = 1.0, k_head_scale=None, v_head_scale=None) -> None:
     """Writes the decode of ``q`` into ``out`` (and the log2 LSE into ``lse``).
 
-    ``scale_log2`` is ``sm_scale * log2(e)``; shapes as :func:`cupaged.decode`.
+    Score arguments as the kernels' (cupaged.decode.ScoreArgs): base-2 logits
+    ``s = (q.k) * scale_log2 * k_head_scale[h]``, then ``soft_cap * tanh(s)``
+    when ``soft_cap > 0``; output times ``v_scale * v_head_scale[h]``. Caches
+    NHD views (HND is passed transposed); uint8 caches are fp8 e4m3 bits.
+    Shapes as :func:`cupaged.decode`.
     """
     import cupy
 
@@ -70,11 +89,19 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
     # Padding slots point at an arbitrary cache entry: zero them, since a
     # masked score still multiplies that entry's V (0 * NaN = NaN).
     pad = ~valid[:, :, None, None]
-    k = cupy.where(pad, 0, k_cache[page, slot]).astype(compute, copy=False)  # [B, L, Hkv, D]
-    v = cupy.where(pad, 0, v_cache[page, slot]).astype(compute, copy=False)
+    k, v = k_cache[page, slot], v_cache[page, slot]  # [B, L, Hkv, D]
+    if k.dtype == np.uint8:  # fp8 e4m3 bits: exact float32 values, matmuls in float32
+        lut = _e4m3_values(q.data.device_id)
+        k, v, compute = lut[k], lut[v], cupy.float32
+    k = cupy.where(pad, 0, k).astype(compute, copy=False)
+    v = cupy.where(pad, 0, v).astype(compute, copy=False)
     qg = q.astype(compute, copy=False).reshape(batch, num_kv_heads, group, head_dim)
     scores = cupy.matmul(qg, k.transpose(0, 2, 3, 1)).astype(cupy.float32)  # [B, Hkv, g, L]
     scores *= np.float32(scale_log2)
+    if k_head_scale is not None:
+        scores *= k_head_scale[None, :, None, None]
+    if soft_cap > 0:
+        scores = np.float32(soft_cap) * cupy.tanh(scores)
     scores = cupy.where(valid[:, None, None, :], scores, cupy.float32(-np.inf))
     m = scores.max(axis=-1, keepdims=True)
     m_safe = cupy.where(cupy.isfinite(m), m, cupy.float32(0))
@@ -82,6 +109,10 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
     denom = p.sum(axis=-1, keepdims=True)
     o = cupy.matmul(p.astype(compute), v.transpose(0, 2, 1, 3))  # [B, Hkv, g, D]
     o = o.astype(cupy.float32) / cupy.where(denom > 0, denom, cupy.float32(1))
+    if v_scale != 1.0:
+        o *= np.float32(v_scale)
+    if v_head_scale is not None:
+        o *= v_head_scale[None, :, None, None]
     out[...] = o.reshape(batch, num_qo_heads, head_dim).astype(out.dtype)
     if lse is not None:
         lse_v = cupy.where(denom > 0, m_safe + cupy.log2(cupy.where(denom > 0, denom, 1)), -np.inf)

@@ -45,8 +45,8 @@ def test_contract_comment_names_every_pointer():
 
 
 def test_unsupported_configs_list_what_is_supported():
-    with pytest.raises(ValueError, match="64, 128, 256"):
-        _configs.check_head_dim(96)
+    with pytest.raises(ValueError, match="64, 96, 128, 256"):
+        _configs.check_head_dim(80)
     with pytest.raises(ValueError, match="float16"):
         _configs.dtype_name("int8")
     with pytest.raises(ValueError, match="partial"):
@@ -63,8 +63,11 @@ def test_core_choice_follows_the_table():
         _configs.choose_core("float32", 128, "mma")
     with pytest.raises(ValueError, match="known"):
         _configs.choose_core("float16", 128, "tensor")
+    assert _configs.choose_core("float16+float8_e4m3fn", 96) == "mma"
+    with pytest.raises(ValueError, match="no kernel serves"):
+        _configs.choose_core("float16+float8_e4m3fn", 256)
     # every (dtype, head_dim, heads, core) the dispatcher can ask for is compiled
-    for dtype in _configs.DTYPES:
+    for dtype in [*_configs.DTYPES, *(d for _, _, ds, _ in _configs.CORES.values() for d in ds)]:
         for head_dim in _configs.HEAD_DIMS:
             for core in _configs.CORES:
                 if _configs.serves(core, dtype, head_dim):
