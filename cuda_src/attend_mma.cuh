@@ -39,12 +39,13 @@ constexpr int MMA_TILE = 16;  // tokens per warp per stage
 
 template <typename T> struct Mma;
 template <> struct Mma<f16> {
-  __device__ __forceinline__ static void mma(float* c, unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+  __device__ __forceinline__ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
   __device__ __forceinline__ static unsigned pack(float lo, float hi) {
     unsigned r;
@@ -53,12 +54,13 @@ template <> struct Mma<f16> {
   }
 };
 template <> struct Mma<bf16> {
-  __device__ __forceinline__ static void mma(float* c, unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+  __device__ __forceinline__ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                             unsigned b0, unsigned b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
   __device__ __forceinline__ static unsigned pack(float lo, float hi) {
     unsigned r;
@@ -66,6 +68,14 @@ template <> struct Mma<bf16> {
     return r;
   }
 };
+
+// Transposes an 8x8 matrix of 16-bit values held one row pair per lane
+// (lane g*4+t holds row g, columns 2t, 2t+1) in registers.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+  unsigned r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* smem) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -178,6 +188,12 @@ __device__ __forceinline__ float load_q_fragments(const T* __restrict__ q, bool 
 
 // Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
 // T is the query/output storage type, KV the cache's (T, or e4m3).
+//
+// Both products run transposed, tokens and head dims as the MMA's M rows and
+// the (at most 8) query heads as its N columns, so no accumulator row is
+// wasted on absent heads: S^T = K Q^T (one m16n8k16 per 16 dims of a 16-token
+// tile) and O^T += V^T P^T (one per 16 output dims). P^T comes out of the S^T
+// accumulators in the A/C layout; movmatrix turns it into the B layout.
 template <typename T, typename KV, int HEAD_DIM, int HEADS, typename Emit>
 __device__ __forceinline__ void cta_attend_mma(
     const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
@@ -185,29 +201,32 @@ __device__ __forceinline__ void cta_attend_mma(
     const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
     const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
     MmaScratch<T, KV, HEAD_DIM, HEADS>& sm, Emit& emit) {
-  static_assert(HEADS <= 8, "query heads are MMA rows 0..7");
+  static_assert(HEADS <= 8, "query heads are the MMA's 8 N columns");
   constexpr bool FP8 = IsSame<KV, e4m3>::value;
   using L = MmaLayout<KV, HEAD_DIM>;
   using M = Mma<typename Select<FP8, f16, T>::type>;
   constexpr int STAGES = L::STAGES;
   constexpr int KSTEPS = HEAD_DIM / 16;
-  constexpr int NT = HEAD_DIM / 8;                       // output n-tiles
+  constexpr int MT = HEAD_DIM / 16;                      // O^T m-tiles of 16 dims
   constexpr int CPR = L::CPR;                            // 16-byte chunks per token row
   constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(KV);
   constexpr int PASSES = MMA_TILE * CPR / 32;            // chunks each lane copies per tile
   constexpr int CTA_TILE = MMA_WARPS * MMA_TILE;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;  // MMA fragment row (query head) and column pair
+  const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
 
-  unsigned qa[KSTEPS][2];
-  const float q_unscale = load_q_fragments<T, FP8, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qa);
+  // Q^T as B fragments of S^T (column g = query head g).
+  unsigned qb[KSTEPS][2];
+  const float q_unscale = load_q_fragments<T, FP8, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qb);
   const float score_scale = sc.scale * q_unscale;
 
-  float o[NT][4];
+  // O^T accumulators: o[mt] = rows (dim r0, r1) x columns (heads 2t, 2t+1).
+  float o[MT][4];
 #pragma unroll
-  for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m = neg_inf(), l = 0.f;  // row g; l is this lane's share of the row sum
+  for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  // Softmax state of heads 2t and 2t+1 (l: this lane's share of the sum).
+  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
 
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
@@ -267,105 +286,93 @@ __device__ __forceinline__ void cta_attend_mma(
       const unsigned char(*vt)[L::ROW_BYTES] = sm.kv[stage][warp][1];
       const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
 
-      // S = Q K^T: two n-tiles of 8 tokens.
-      float s[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      // S^T = K Q^T: rows tokens g, g+8; columns heads 2t, 2t+1. Two
+      // accumulators (even and odd k-steps) halve the dependent MMA chain.
+      float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
       if constexpr (FP8) {
-        // One ldmatrix.x4 covers 32 dims of both n-tiles: matrix j is
-        // tokens (j % 2) * 8.. and bytes 16 * (j / 2).. of the 32-dim block.
+        // One ldmatrix.x4 covers 32 dims: matrix j is tokens (j % 2) * 8..
+        // and bytes 16 * (j / 2).. of the block; a lane's 4 bytes are dims
+        // 4t..4t+3, the permuted k order of load_q_fragments.
 #pragma unroll
         for (int kb = 0; kb < HEAD_DIM / 32; ++kb) {
-          unsigned b[4];
-          ldmatrix_x4(b, &kt[((lane / 8) % 2) * 8 + (lane % 8)][kb * 32 + (lane / 16) * 16]);
-          M::mma(s[0], qa[2 * kb][0], qa[2 * kb][1], fp8_lo(b[0]), fp8_hi(b[0]));
-          M::mma(s[1], qa[2 * kb][0], qa[2 * kb][1], fp8_lo(b[1]), fp8_hi(b[1]));
-          M::mma(s[0], qa[2 * kb + 1][0], qa[2 * kb + 1][1], fp8_lo(b[2]), fp8_hi(b[2]));
-          M::mma(s[1], qa[2 * kb + 1][0], qa[2 * kb + 1][1], fp8_lo(b[3]), fp8_hi(b[3]));
+          unsigned a[4];
+          ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][kb * 32 + (lane / 16) * 16]);
+          M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);
+          M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0],
+                 qb[2 * kb + 1][1]);
         }
       } else {
-        // One ldmatrix.x4 covers 32 dims of one n-tile.
 #pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-          for (int k = 0; k < KSTEPS; k += 2) {
-            unsigned b[4];
-            ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][(k * 16 + (lane / 8) * 8) * 2]);
-            M::mma(s[n], qa[k][0], qa[k][1], b[0], b[1]);
-            M::mma(s[n], qa[k + 1][0], qa[k + 1][1], b[2], b[3]);
-          }
+        for (int k = 0; k < KSTEPS; ++k) {
+          unsigned a[4];
+          ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][(k * 16 + (lane / 16) * 8) * 2]);
+          M::mma(k % 2 ? sb : sa, a[0], a[1], a[2], a[3], qb[k][0], qb[k][1]);
+        }
       }
-
-      // Online softmax of row g over this tile's 16 tokens (4 lanes per row).
+      float s[4];
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        s[n][0] *= score_scale;
-        s[n][1] *= score_scale;
-      }
+      for (int i = 0; i < 4; ++i) s[i] = (sa[i] + sb[i]) * score_scale;
       if (sc.soft_cap > 0.f) {  // uniform branch
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          s[n][0] = sc.cap(s[n][0]);
-          s[n][1] = sc.cap(s[n][1]);
+        for (int i = 0; i < 4; ++i) s[i] = sc.cap(s[i]);
+      }
+      if (base + g >= s1) s[0] = s[1] = neg_inf();
+      if (base + g + 8 >= s1) s[2] = s[3] = neg_inf();
+
+      // Online softmax per head (column) over the tile's 16 tokens: the 8
+      // lanes of one t hold a column's rows.
+      float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+      const float ms0 = mn0 == neg_inf() ? 0.f : mn0, ms1 = mn1 == neg_inf() ? 0.f : mn1;
+      if (__any_sync(0xffffffffu, mn0 > m0 || mn1 > m1)) {  // the max grows O(log n) times
+        const float a0 = fast_exp2(m0 - ms0), a1 = fast_exp2(m1 - ms1);
+        l0 *= a0;
+        l1 *= a1;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          o[i][0] *= a0;
+          o[i][1] *= a1;
+          o[i][2] *= a0;
+          o[i][3] *= a1;
         }
       }
-      float mx = neg_inf();
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (base + n * 8 + 2 * t + e >= s1) s[n][e] = neg_inf();
-          mx = fmaxf(mx, s[n][e]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m, mx);
-      const float m_safe = m_new == neg_inf() ? 0.f : m_new;
-      if (__any_sync(0xffffffffu, m_new > m)) {  // the max grows O(log n) times
-        const float alpha = fast_exp2(m - m_safe);
-        l *= alpha;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          o[n][0] *= alpha;
-          o[n][1] *= alpha;
-        }
-      }
-      m = m_new;
-      float p[2][2];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          p[n][e] = fast_exp2(s[n][e] - m_safe);
-          l += p[n][e];
-        }
-      // P as the A fragment of P.V: tokens 2t, 2t+1 (n-tile 0) and 2t+8, 2t+9 (n-tile 1).
-      const unsigned pa0 = M::pack(p[0][0], p[0][1]);
-      const unsigned pa2 = M::pack(p[1][0], p[1][1]);
+      m0 = mn0;
+      m1 = mn1;
+      const float p0 = fast_exp2(s[0] - ms0), p1 = fast_exp2(s[1] - ms1);
+      const float p2 = fast_exp2(s[2] - ms0), p3 = fast_exp2(s[3] - ms1);
+      l0 += p0 + p2;
+      l1 += p1 + p3;
+      // P^T (tokens x heads, C layout) -> B fragments of O^T = V^T P^T:
+      // b0 = P[head g][tokens 2t, 2t+1], b1 = P[head g][tokens 2t+8, 2t+9].
+      const unsigned pb0 = movmatrix_trans(M::pack(p0, p1));
+      const unsigned pb1 = movmatrix_trans(M::pack(p2, p3));
 
       if constexpr (FP8) {
         // ldmatrix.trans of one-byte V gives a lane dims 2g, 2g+1 of tokens
-        // 2t, 2t+1; split into even and odd dims, each is a B fragment, so
-        // n-tile 4db + 2h + par holds dims 32db + 16h + 2j + par (j = column).
+        // 2t, 2t+1; split into even and odd dims they are the A rows g and
+        // g + 8 of m-tile 2db + h: rows (g, g + 8) are dims 32db + 16h + 2g + (0, 1).
 #pragma unroll
         for (int db = 0; db < HEAD_DIM / 32; ++db) {
-          unsigned b[4];
-          ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][db * 32 + (lane / 16) * 16]);
+          unsigned v[4];
+          ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][db * 32 + (lane / 16) * 16]);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const unsigned k0 = byte_deinterleave(b[2 * h]), k1 = byte_deinterleave(b[2 * h + 1]);
-            M::mma(o[4 * db + 2 * h], pa0, pa2, fp8_lo(k0), fp8_lo(k1));
-            M::mma(o[4 * db + 2 * h + 1], pa0, pa2, fp8_hi(k0), fp8_hi(k1));
+            const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);
+            M::mma(o[2 * db + h], fp8_lo(x), fp8_hi(x), fp8_lo(y), fp8_hi(y), pb0, pb1);
           }
         }
       } else {
-        // O += P V: one ldmatrix.x4.trans gives the B fragments of 16 dims.
+        // One ldmatrix.x4.trans gives the A fragments of 16 dims: rows (g, g + 8) are dims 16i + (g, g + 8).
 #pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-          unsigned b[4];
-          ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][(n * 8 + (lane / 16) * 8) * 2]);
-          M::mma(o[n], pa0, pa2, b[0], b[1]);
-          M::mma(o[n + 1], pa0, pa2, b[2], b[3]);
+        for (int i = 0; i < MT; ++i) {
+          unsigned a[4];
+          ldmatrix_x4_trans(a, &vt[(lane / 16) * 8 + (lane % 8)][(i * 16 + ((lane / 8) % 2) * 8) * 2]);
+          M::mma(o[i], a[0], a[1], a[2], a[3], pb0, pb1);
         }
       }
       __syncwarp();  // every lane is done with this stage before it is refilled
@@ -373,29 +380,34 @@ __device__ __forceinline__ void cta_attend_mma(
     cp_async_wait<0>();
   });
 
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+  for (int off = 4; off < 32; off <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
   __syncthreads();  // the ring becomes the combine buffer
-  if (g < HEADS) {
-    if (t == 0) {
-      sm.combine.m[warp][g] = m;
-      sm.combine.l[warp][g] = l;
+  const int h0 = 2 * t, h1 = 2 * t + 1;
+  if (g == 0) {
+    if (h0 < HEADS) {
+      sm.combine.m[warp][h0] = m0;
+      sm.combine.l[warp][h0] = l0;
     }
-    float* acc = sm.combine.acc[warp][g];
-    if constexpr (FP8) {
-      // columns 2t, 2t+1 of n-tiles (4db + 2h, +1) are dims 32db + 16h + 4t + {0, 2} and {1, 3}
+    if (h1 < HEADS) {
+      sm.combine.m[warp][h1] = m1;
+      sm.combine.l[warp][h1] = l1;
+    }
+  }
 #pragma unroll
-      for (int db = 0; db < HEAD_DIM / 32; ++db)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float* e = o[4 * db + 2 * h];
-          const float* od = o[4 * db + 2 * h + 1];
-          *reinterpret_cast<float4*>(&acc[32 * db + 16 * h + 4 * t]) = make_float4(e[0], od[0], e[1], od[1]);
-        }
-    } else {
-#pragma unroll
-      for (int n = 0; n < NT; ++n)
-        *reinterpret_cast<float2*>(&acc[n * 8 + 2 * t]) = make_float2(o[n][0], o[n][1]);
+  for (int i = 0; i < MT; ++i) {
+    const int d0 = FP8 ? 16 * i + 2 * g : 16 * i + g;  // row g's dim; row g + 8 is d0 + (FP8 ? 1 : 8)
+    const int d1 = FP8 ? d0 + 1 : d0 + 8;
+    if (h0 < HEADS) {
+      sm.combine.acc[warp][h0][d0] = o[i][0];
+      sm.combine.acc[warp][h0][d1] = o[i][2];
+    }
+    if (h1 < HEADS) {
+      sm.combine.acc[warp][h1][d0] = o[i][1];
+      sm.combine.acc[warp][h1][d1] = o[i][3];
     }
   }
   __syncthreads();

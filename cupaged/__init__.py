@@ -9,8 +9,9 @@ checked against a NumPy float64 reference (:mod:`cupaged.reference`).
 LSE values are in **log2 units** everywhere (natural log = lse * ln 2).
 """
 
-from . import reference
+from . import fp8, reference
 from ._device import has_gpu
+from .cascade import CascadePlan, cascade_decode, plan_cascade
 from .decode import METHODS, Selection, decode, select_method
 from .errors import (
     ArgumentTypeError,
@@ -27,6 +28,7 @@ from .errors import (
     UnknownSequenceError,
     UnsupportedConfigError,
 )
+from .append import append_kv
 from .merge import merge_states
 from .page_table import DeviceTable, PageTable, build_page_table
 from .plan import DecodePlan, plan_decode
@@ -37,6 +39,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentTypeError",
     "BlockPool",
+    "CascadePlan",
     "CupagedError",
     "DTypeError",
     "DecodePlan",
@@ -56,11 +59,15 @@ __all__ = [
     "ShapeError",
     "UnknownSequenceError",
     "UnsupportedConfigError",
+    "append_kv",
     "apply_page_copies",
     "build_page_table",
+    "cascade_decode",
     "decode",
+    "fp8",
     "has_gpu",
     "merge_states",
+    "plan_cascade",
     "plan_decode",
     "reference",
     "select_method",

@@ -7,7 +7,8 @@ import numpy as np
 from . import _configs
 from ._device import require_gpu
 from . import _loader
-from .decode import _NULL, _THREADS, _as_cupy, _elem_strides
+from ._arrays import as_cupy as _as_cupy, is_device_array
+from .decode import _NULL, _THREADS, _elem_strides
 from .errors import (DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError, ShapeError,
                      UnsupportedConfigError)
 
@@ -20,12 +21,15 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
     with ``M`` the max LSE and ``W`` the sum of the weights, per head.
 
     Args:
-        v: ``[N, num_heads, head_dim]`` float32 CuPy array, C-contiguous; each
-            partial already normalized by its own softmax denominator.
+        v: ``[N, num_heads, head_dim]`` float32 CuPy array (or any CUDA
+            array via ``__cuda_array_interface__`` / DLPack, e.g. a torch
+            tensor: read in place, never copied), C-contiguous; each partial
+            already normalized by its own softmax denominator.
         lse: ``[N, num_heads]`` float32, C-contiguous, **log2 units**; ``-inf``
             marks an empty partial (contributes nothing).
-        o_indptr: ``[M + 1]`` int32 (NumPy or CuPy), non-decreasing, from 0 to
-            at most N.
+        o_indptr: ``[M + 1]`` int32 (NumPy, CuPy, or another host or CUDA
+            array such as a torch tensor), non-decreasing, from 0 to at most
+            N.
         out_dtype: float32 (default), float16 or ``ml_dtypes.bfloat16``.
         validate: check ``o_indptr``'s values on the host (starts at 0,
             never decreases, ends at most at N; a CuPy ``o_indptr`` is copied
@@ -70,6 +74,7 @@ def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = Tru
     import cupy
 
     v, lse = _as_cupy(v, "v"), _as_cupy(lse, "lse")
+    o_indptr = _host_or_device(o_indptr)
     out_name = _check_merge_inputs(v, lse, o_indptr, out_dtype, validate)
     current = cupy.cuda.runtime.getDevice()
     if v.data.device_id != current:
@@ -145,6 +150,18 @@ def _check_merge_inputs(v, lse, o_indptr, out_dtype, validate: bool) -> str:
                 f"o_indptr must end at most at N={n} (rows of v), got o_indptr[-1]={int(host[-1])}"
             )
     return out_name
+
+
+def _host_or_device(o_indptr):
+    """``o_indptr`` as NumPy or CuPy: a CUDA array of another library (a
+    torch CUDA tensor, say) as a zero-copy CuPy view, a host array object
+    with ``__array__`` (a CPU torch tensor) as a NumPy view; NumPy, CuPy and
+    everything else unchanged (the checks then name what is wrong)."""
+    if isinstance(o_indptr, np.ndarray) or not hasattr(o_indptr, "dtype") or hasattr(o_indptr, "get"):
+        return o_indptr
+    if is_device_array(o_indptr):
+        return _as_cupy(o_indptr, "o_indptr")
+    return np.asarray(o_indptr) if hasattr(o_indptr, "__array__") else o_indptr
 
 
 def _device_id(a) -> int | None:

@@ -91,12 +91,35 @@ def _check_page_size(page_size: Any) -> int:
     return p
 
 
+def _host_array(name: str, x: Any) -> Any:
+    """A NumPy array of an array object that is not NumPy (the table lives on
+    the host, so a device array is copied there): CuPy via ``.get()``; any
+    other CUDA array (``__cuda_array_interface__`` / DLPack, e.g. a torch CUDA
+    tensor) viewed with CuPy, then copied; a host array object with
+    ``__array__`` (a CPU torch tensor) viewed with ``np.asarray``. A NumPy
+    array or a Python sequence comes back unchanged."""
+    if isinstance(x, np.ndarray) or not hasattr(x, "dtype"):
+        return x
+    if hasattr(x, "get"):
+        return x.get()  # cupy -> numpy
+    from ._arrays import as_cupy, is_device_array
+
+    if is_device_array(x):
+        return as_cupy(x, name).get()
+    if hasattr(x, "__array__"):
+        try:
+            return np.asarray(x)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise PageTableError(f"{name} could not be read as a host array: {e}") from None
+    return x
+
+
 def _as_int_array(name: str, x: Any) -> np.ndarray:
     """A 1-D integer NumPy array of ``x`` (a sequence or an integer array of
-    any width); raises :class:`PageTableError` for anything else. May return
-    ``x`` itself: callers that keep the result must copy."""
-    if hasattr(x, "dtype") and hasattr(x, "get") and not isinstance(x, np.ndarray):
-        x = x.get()  # cupy -> numpy
+    any width, NumPy, CuPy or another CUDA/host array object); raises
+    :class:`PageTableError` for anything else. May return ``x`` itself:
+    callers that keep the result must copy."""
+    x = _host_array(name, x)
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError) as e:  # ragged or non-numeric input
@@ -135,16 +158,16 @@ def _as_int64(name: str, x: Any) -> np.ndarray:
 def _to_int32(name: str, x: Any) -> np.ndarray:
     """Convert one constructor argument to a fresh read-only 1-D int32 array.
 
-    NumPy and CuPy arrays must already be int32 (a silent cast could wrap a
+    Arrays (NumPy, CuPy, a torch tensor or any CUDA array; see
+    :func:`_host_array`) must already be int32 (a silent cast could wrap a
     page id); Python sequences are converted, with a range check."""
-    strict = isinstance(x, np.ndarray) or (hasattr(x, "dtype") and hasattr(x, "get"))
-    if strict:
-        if np.dtype(x.dtype) != np.int32:
-            raise PageTableError(f"{name} must be int32, got {np.dtype(x.dtype)}")
+    x = _host_array(name, x)
+    if isinstance(x, np.ndarray):
+        if x.dtype != np.int32:
+            raise PageTableError(f"{name} must be int32, got {x.dtype}")
         if x.ndim != 1:
             raise PageTableError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
-        host = x.get() if not isinstance(x, np.ndarray) else x
-        out = np.array(host, dtype=np.int32, copy=True)
+        out = np.array(x, dtype=np.int32, copy=True)
     else:
         arr = _as_int_array(name, x)
         if arr.size:
@@ -169,7 +192,9 @@ class PageTable:
     Parameters
     ----------
     indices, indptr, last_page_len, first_page_offset:
-        1-D int32 NumPy/CuPy arrays or Python integer sequences; shapes
+        1-D int32 arrays (NumPy, CuPy, or any CUDA array through
+        ``__cuda_array_interface__`` / DLPack, torch tensors included: the
+        host keeps a copy) or Python integer sequences; shapes
         ``[indptr[-1]]``, ``[B+1]``, ``[B]``, ``[B]``. ``first_page_offset``
         defaults to zeros. Arrays of another dtype (int64 included) are
         rejected rather than cast, so a wrapped page id can never slip through.

@@ -35,6 +35,11 @@ __all__ = [
     "MAX_GRID_X",
     "MAX_GRID_YZ",
     "SUPPORTED_DTYPES",
+    "FLOAT8_E4M3",
+    "SUPPORTED_DTYPE_PAIRS",
+    "DETERMINISTIC_CHUNK_TOKENS",
+    "deterministic_pages_per_chunk",
+    "canonical_kv_dtype",
     "heads_per_cta",
     "default_target_ctas",
     "num_chunks",
@@ -68,12 +73,35 @@ MAX_GRID_YZ = 65535
 ENV_NUM_SMS = "CUPAGED_NUM_SMS"
 ENV_TARGET_CTAS = "CUPAGED_TARGET_CTAS"
 
-#: KV dtypes the kernels are instantiated for.
+#: q/out dtypes the kernels are instantiated for (and KV dtypes, alone).
 SUPPORTED_DTYPES = (
     np.dtype(np.float16),
     np.dtype(np.float32),
     np.dtype(ml_dtypes.bfloat16),
 )
+#: The fp8 KV dtype (``ml_dtypes.float8_e4m3fn``: bias 7, max 448, no inf).
+#: CuPy has no float8 dtype: on the GPU such a cache is a uint8 array of its
+#: bit patterns, which is why ``plan_decode`` also accepts ``np.uint8`` for it.
+FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+#: ``(dtype, kv_dtype)`` pairs (q/out dtype, KV-cache dtype) a plan may have:
+#: one shared dtype, or an fp8 cache read by a float16/bfloat16 query.
+SUPPORTED_DTYPE_PAIRS = (
+    (np.dtype(np.float16), np.dtype(np.float16)),
+    (np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.bfloat16)),
+    (np.dtype(np.float32), np.dtype(np.float32)),
+    (np.dtype(np.float16), FLOAT8_E4M3),
+    (np.dtype(ml_dtypes.bfloat16), FLOAT8_E4M3),
+)
+#: Tokens per chunk of a ``deterministic=True`` plan (rounded down to whole
+#: pages, at least one page). Fixed, so a request's chunking depends on its
+#: own length alone. 1024 sits between the two ends of the calibrated default
+#: on the H200 (128-token chunks for one short request, 8192 for batch 8 at
+#: ctx 32768): one request of 32k tokens alone still gets 32 chunks (256 CTAs
+#: at 8 KV heads, ~2 per SM), a request of at most 1024 tokens is never split
+#: (no merge), and the merge traffic stays small: a float32 partial
+#: ``[g, D]`` written and read per 1024 tokens of fp16 K+V is ``g / 512`` of
+#: the KV bytes (under 2 % for GQA groups up to 8).
+DETERMINISTIC_CHUNK_TOKENS = 1024
 
 
 # --------------------------------------------------------------------------
@@ -106,7 +134,8 @@ def _request_pages(request_pages: Any) -> np.ndarray:
     return arr
 
 
-def _kv_dtype(dtype: Any) -> np.dtype:
+def _q_dtype(dtype: Any) -> np.dtype:
+    """The q/out dtype as a supported ``np.dtype``, else InvalidArgumentError."""
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
@@ -116,6 +145,40 @@ def _kv_dtype(dtype: Any) -> np.dtype:
         raise InvalidArgumentError(
             f"dtype must be float16, float32 or bfloat16, got {dt}")
     return dt
+
+
+def _pairs_text() -> str:
+    return ", ".join(f"({q}, {kv})" for q, kv in SUPPORTED_DTYPE_PAIRS)
+
+
+def canonical_kv_dtype(kv_dtype: Any) -> np.dtype:
+    """``kv_dtype`` as an ``np.dtype``; the fp8 spellings ``"float8_e4m3fn"``,
+    ``ml_dtypes.float8_e4m3fn`` and ``np.uint8`` (its bits on the GPU) all give
+    :data:`FLOAT8_E4M3`. No pair check (see :func:`plan_decode`).
+
+    >>> canonical_kv_dtype(np.uint8) == canonical_kv_dtype("float8_e4m3fn") == FLOAT8_E4M3
+    True
+    """
+    try:
+        dt = np.dtype(kv_dtype)
+    except TypeError as exc:
+        raise InvalidArgumentError(
+            f"kv_dtype must be a dtype; supported (dtype, kv_dtype) pairs: "
+            f"{_pairs_text()}, got {kv_dtype!r}") from exc
+    return FLOAT8_E4M3 if dt == np.uint8 else dt
+
+
+def _kv_dtype(kv_dtype: Any, dtype: np.dtype) -> np.dtype:
+    """The plan's KV dtype: ``dtype`` when None, else the canonical
+    ``kv_dtype``, which must form a supported pair with ``dtype``."""
+    if kv_dtype is None:
+        return dtype
+    kv = canonical_kv_dtype(kv_dtype)
+    if (dtype, kv) not in SUPPORTED_DTYPE_PAIRS:
+        raise InvalidArgumentError(
+            f"unsupported (dtype, kv_dtype) = ({dtype}, {kv}); supported pairs: "
+            f"{_pairs_text()} (an fp8 cache may be given as np.uint8 bits)")
+    return kv
 
 
 # --------------------------------------------------------------------------
@@ -251,6 +314,21 @@ def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: in
     return -(-longest // -(-longest // c))
 
 
+def deterministic_pages_per_chunk(page_size: int) -> int:
+    """Chunk size of a ``deterministic=True`` plan:
+    ``max(1, DETERMINISTIC_CHUNK_TOKENS // page_size)`` pages.
+
+    A function of the page size alone (never of the batch or the device), so
+    each request's chunk boundaries, chunk count and merge order are functions
+    of the request alone: decoding it alone or inside any batch gives the
+    same bits (batch invariance).
+
+    >>> [deterministic_pages_per_chunk(p) for p in (1, 16, 32, 1000, 4096)]
+    [1024, 64, 32, 1, 1]
+    """
+    return max(1, DETERMINISTIC_CHUNK_TOKENS // _positive_int(page_size, "page_size"))
+
+
 def device_num_sms() -> int | None:
     """SM count of the current CUDA device, or None when cupy cannot be
     imported or no device is visible (every exception is swallowed)."""
@@ -340,7 +418,7 @@ class DecodePlan:
     Fields (the kernels and the dispatcher read exactly these):
 
     * ``batch_size, num_qo_heads, num_kv_heads, head_dim, page_size``
-    * ``dtype``: ``np.dtype`` of the KV cache (float16, float32, bfloat16).
+    * ``dtype``: ``np.dtype`` of q and out (float16, float32, bfloat16).
     * ``group_size = num_qo_heads // num_kv_heads``; query head ``h`` reads
       KV head ``h // group_size``.
     * ``heads_per_cta``: query heads served by one CTA;
@@ -358,6 +436,14 @@ class DecodePlan:
     * ``needs_merge``: some request has more than one chunk.
     * ``workspace_bytes``: float32 partial outputs ``[num_chunks, Hq, D]`` plus
       partial LSEs ``[num_chunks, Hq]`` when ``needs_merge``, else 0.
+    * ``kv_dtype``: ``np.dtype`` of the KV cache: ``dtype``, or
+      :data:`FLOAT8_E4M3` (``ml_dtypes.float8_e4m3fn``; uint8 bits on the GPU)
+      under a float16/bfloat16 ``dtype``. Optional when constructing (None:
+      ``dtype``; ``np.uint8`` means fp8).
+    * ``deterministic``: the chunk size came from
+      :func:`deterministic_pages_per_chunk` (or was given explicitly) under
+      ``plan_decode(..., deterministic=True)``: it depends on no other request
+      of the batch. Optional when constructing (default False).
 
     Methods: :meth:`matches` (can this plan serve a new table?),
     :meth:`chunk_page_ranges` and :meth:`chunk_token_ranges` (each chunk's
@@ -405,12 +491,17 @@ class DecodePlan:
     grid: tuple[int, int, int]
     needs_merge: bool
     workspace_bytes: int
+    kv_dtype: Any = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name in _ARRAY_FIELDS:
             object.__setattr__(self, name,
                                _readonly_int32(getattr(self, name), name))
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "kv_dtype", self.dtype if self.kv_dtype is None
+                           else canonical_kv_dtype(self.kv_dtype))
+        object.__setattr__(self, "deterministic", bool(self.deterministic))
         object.__setattr__(self, "grid", tuple(int(v) for v in self.grid))
 
     # -- reuse across decode steps -----------------------------------------
@@ -474,7 +565,8 @@ class DecodePlan:
 
 
 def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
-                head_dim: int, dtype: Any, *, pages_per_chunk: int | None = None,
+                head_dim: int, dtype: Any, *, kv_dtype: Any = None,
+                deterministic: bool = False, pages_per_chunk: int | None = None,
                 target_ctas: int | None = None,
                 num_sms: int | None = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
@@ -487,15 +579,35 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         table: the batch's :class:`~cupaged.PageTable` (``B >= 1``).
         num_qo_heads, num_kv_heads: ``Hq`` and ``Hkv``, positive ints with
             ``Hq`` a multiple of ``Hkv``.
-        head_dim: ``D``, a positive multiple of 8. The kernels only have
-            instances for 64, 128 and 256: another multiple of 8 is planned
-            without complaint, but ``decode`` then runs the gather path, which
-            ignores the plan (:func:`~cupaged.select_method` says so).
-        dtype: the KV dtype, anything ``numpy.dtype`` accepts that is
+        head_dim: ``D``, a positive multiple of 8. The kernels have
+            instances for 64, 96, 128 and 256: another multiple of 8 is
+            planned without complaint, but ``decode`` then runs the gather
+            path, which ignores the plan (:func:`~cupaged.select_method` says
+            so).
+        dtype: the q/out dtype, anything ``numpy.dtype`` accepts that is
             float16, float32 or bfloat16 (``"float16"``, ``np.float16``,
             ``ml_dtypes.bfloat16``).
+        kv_dtype: keyword-only KV-cache dtype; None (default) = ``dtype``.
+            fp8 is spelled ``"float8_e4m3fn"``, ``ml_dtypes.float8_e4m3fn`` or
+            ``np.uint8`` (its bits, as a CuPy cache holds them) and becomes
+            :data:`FLOAT8_E4M3`; it goes with a float16 or bfloat16 ``dtype``
+            only. Any other ``kv_dtype`` must equal ``dtype``
+            (:data:`SUPPORTED_DTYPE_PAIRS`).
+        deterministic: keyword-only (default False). True makes each
+            request's result independent of the rest of the batch (batch
+            invariance, bitwise): the chunk size is
+            :func:`deterministic_pages_per_chunk` of the page size
+            (``DETERMINISTIC_CHUNK_TOKENS`` = 1024 tokens), never derived from
+            the batch or the device, so a request's chunk boundaries, chunk
+            count and merge order are functions of the request alone (and the
+            kernel instance of the shapes and dtypes alone). An explicit
+            ``pages_per_chunk`` is used as given (it is batch-invariant too);
+            ``target_ctas`` and ``num_sms`` then only fill the plan's
+            ``target_ctas`` field, as they do next to an explicit
+            ``pages_per_chunk``.
         pages_per_chunk: keyword-only; used as given (``>= 1``). When None:
-            with an explicit target (``target_ctas``, else env
+            with ``deterministic``, :func:`deterministic_pages_per_chunk`;
+            else with an explicit target (``target_ctas``, else env
             ``CUPAGED_TARGET_CTAS``) the largest chunk giving at least that
             many CTAs (:func:`choose_pages_per_chunk` with ``ctas_per_chunk =
             num_kv_heads * q_groups``); otherwise the calibrated default
@@ -516,7 +628,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         (heads, ``head_dim``, ``pages_per_chunk``, ``target_ctas``,
         ``num_sms``) that is not a positive integer; ``num_qo_heads`` not a
         multiple of ``num_kv_heads``; ``head_dim`` not a multiple of 8; an
-        unsupported dtype; a grid beyond CUDA's limits; a malformed (not a
+        unsupported ``dtype`` or ``(dtype, kv_dtype)`` pair (the message lists
+        the supported pairs); a grid beyond CUDA's limits; a malformed (not a
         positive integer) env ``CUPAGED_TARGET_CTAS``, read whenever
         ``target_ctas`` is None (even with ``pages_per_chunk`` given), or
         ``CUPAGED_NUM_SMS``, read only when neither ``num_sms``, a CTA target
@@ -532,6 +645,14 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     >>> plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, target_ctas=96)
     >>> plan.pages_per_chunk, plan.num_chunks, plan.num_ctas, plan.request_chunks.tolist()
     (4, 12, 96, [11, 1])
+    >>> plan.kv_dtype == np.float16   # default: the cache has q's dtype
+    True
+    >>> fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, kv_dtype=np.uint8)
+    >>> fp8.kv_dtype.name
+    'float8_e4m3fn'
+    >>> det = cupaged.plan_decode(table, 32, 8, 128, np.float16, deterministic=True)
+    >>> det.pages_per_chunk, det.request_chunks.tolist()   # 1024 tokens = 64 pages
+    (64, [1, 1])
     >>> cupaged.plan_decode(table, 32, 8, 100, np.float16)
     Traceback (most recent call last):
         ...
@@ -546,7 +667,11 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if d % 8:
         raise InvalidArgumentError(
             f"head_dim must be a positive multiple of 8, got {d}")
-    dt = _kv_dtype(dtype)
+    dt = _q_dtype(dtype)
+    kv_dt = _kv_dtype(kv_dtype, dt)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise InvalidArgumentError(
+            f"deterministic must be True or False, got {deterministic!r}")
     if pages_per_chunk is not None:
         pages_per_chunk = _positive_int(pages_per_chunk, "pages_per_chunk")
     if target_ctas is not None:
@@ -581,6 +706,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     target = resolve_target_ctas(target_ctas, num_sms)
     if pages_per_chunk is not None:
         c = pages_per_chunk
+    elif deterministic:
+        c = deterministic_pages_per_chunk(page_size)  # the batch and the device play no part
     elif target_ctas is not None or _env_positive_int(ENV_TARGET_CTAS) is not None:
         c = choose_pages_per_chunk(pages, grid_y, target)  # an explicit target: the plain search
     else:
@@ -620,4 +747,6 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         grid=(n, grid_y, 1),
         needs_merge=needs_merge,
         workspace_bytes=workspace,
+        kv_dtype=kv_dt,
+        deterministic=bool(deterministic),
     )

@@ -401,13 +401,26 @@ class BlockPool:
         )
 
 
+def _device_view(a: Any) -> Any:
+    """A NumPy array as is; a CUDA array that is not CuPy (a torch CUDA
+    tensor, anything with ``__cuda_array_interface__`` or DLPack on the GPU)
+    as a zero-copy CuPy view, so the copies land in its own memory."""
+    if isinstance(a, np.ndarray):
+        return a
+    from ._arrays import as_cupy, is_device_array
+
+    return as_cupy(a, "caches") if is_device_array(a) else a
+
+
 def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
     """Apply copy-on-write instructions: ``cache[dst] = cache[src]`` for every
     :class:`PageCopy`, in order, in each cache.
 
     ``caches`` is one NumPy/CuPy array ``[num_pages, ...]`` (e.g. a KV cache
     ``[num_pages, page_size, num_kv_heads, head_dim]``) or a sequence of them,
-    modified in place; ``copies`` holds :class:`PageCopy` objects or
+    modified in place; any other CUDA array (``__cuda_array_interface__`` /
+    DLPack, torch CUDA tensors included) is written in place through a
+    zero-copy CuPy view; ``copies`` holds :class:`PageCopy` objects or
     ``(src, dst)`` pairs. Returns None. All ids are checked against every
     cache before anything is written. When no copy reads a page an earlier one
     writes (the usual case) the copies run as one gather/scatter per cache;
@@ -434,6 +447,7 @@ def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
     cupaged.errors.InvalidArgumentError: page id 4 out of range for a cache of shape (4, 2)
     """
     arrays = [caches] if hasattr(caches, "shape") else list(caches)
+    arrays = [_device_view(a) for a in arrays]
     pairs = []
     for c in copies:
         src, dst = (c.src, c.dst) if isinstance(c, PageCopy) else c

@@ -51,6 +51,20 @@ leaves what it measured; ``--budget-s`` (default 360) skips cells that would
 not fit and an alarm stops the run 25 s after it. Writes
 ``microbench-issue5.{csv,meta.json,md,png}``.
 
+``--kv-dtype fp8`` times an fp8 KV cache next to the 16-bit one, cell by
+cell (the sweep and axis flags as above; ``--dtype`` float16 or bfloat16 is
+the q/out dtype): v2 over the ``--dtype`` cache and v2 over a uint8 e4m3 copy
+of the same values (``cupaged.fp8.to_e4m3`` of ``x / --fp8-scale``, applied
+on the GPU through a 65536-entry table), and FlashInfer on both when
+available (``plan(..., kv_data_type=torch.float8_e4m3fn)``, ``run(...,
+k_scale=, v_scale=)``; it applies a ``v_scale`` other than 1 as a separate
+``out *= v_scale`` launch, so the default scale is 1.0). The fp8 rows report
+``<method>_16bit_over_fp8`` (16-bit time / fp8 time, > 1: fp8 faster) and
+``v2_fp8_over_flashinfer_fp8``; ``*_max_rel_vs_v2`` of the fp8 methods is
+their quantization error against the 16-bit v2 output. TB/s of the fp8
+methods count one byte per KV element. Writes ``microbench-fp8.{csv,md}``
+(:data:`FP8_CSV_COLUMNS`); the other modes' outputs are unchanged.
+
 Exit status: 0 ran, 1 a method failed in some cell (or the run was
 interrupted), 2 bad arguments, 3 no CUDA GPU on this machine (message on
 stderr).
@@ -199,6 +213,74 @@ HEADERS = {
     "v2_over_flashinfer": "v2/FI",
 }
 
+#: ``--kv-dtype fp8``: the fp8 KV dtype (uint8 e4m3 bits on the GPU), the
+#: spellings the flag takes, the default per-tensor scale, and the methods:
+#: ``v2``/``flashinfer`` over the 16-bit cache and ``*_fp8`` over its fp8 copy.
+FP8_KV_DTYPE = "float8_e4m3fn"
+KV_DTYPE_CHOICES = ("fp8", FP8_KV_DTYPE)
+FP8_SCALE = 1.0
+FP8_Q_DTYPES = ("float16", "bfloat16")
+FP8_METHODS = ("v2", "v2_fp8", "flashinfer", "flashinfer_fp8")
+#: CSV schema of ``--kv-dtype fp8`` (its own file; appended, never reordered).
+FP8_CSV_COLUMNS = (
+    (
+        "batch",
+        "ctx",
+        "page_size",
+        "num_qo_heads",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "kv_dtype",
+        "fp8_scale",
+        "page_order",
+        "replicas",
+        "graph_calls",
+        "reps",
+        "kv_bytes",
+        "kv_bytes_fp8",
+        "total_bytes",
+        "total_bytes_fp8",
+        "v2_pages_per_chunk",
+        "v2_num_chunks",
+        "v2_needs_merge",
+        "v2_fp8_pages_per_chunk",
+    )
+    + tuple(f"{m}_{f}" for m in FP8_METHODS for f in METHOD_FIELDS)
+    + ("flashinfer_variant", "flashinfer_fp8_variant")
+    + ("v2_16bit_over_fp8", "flashinfer_16bit_over_fp8", "v2_fp8_over_flashinfer_fp8", "v2_over_flashinfer")
+    + ("wall_s",)
+)
+FP8_MD_COLUMNS = (
+    "batch",
+    "ctx",
+    "v2_pages_per_chunk",
+    "v2_needs_merge",
+    "v2_us",
+    "v2_fp8_us",
+    "v2_16bit_over_fp8",
+    "v2_fp8_tbps",
+    "v2_fp8_pct_roofline",
+    "v2_fp8_max_rel_vs_v2",
+    "flashinfer_us",
+    "flashinfer_fp8_us",
+    "flashinfer_16bit_over_fp8",
+    "v2_fp8_over_flashinfer_fp8",
+)
+FP8_HEADERS = {
+    **HEADERS,
+    "v2_us": "v2 16-bit us",
+    "v2_fp8_us": "v2 fp8 us",
+    "v2_16bit_over_fp8": "v2 16/8",
+    "v2_fp8_tbps": "v2 fp8 TB/s",
+    "v2_fp8_pct_roofline": "v2 fp8 %roof",
+    "v2_fp8_max_rel_vs_v2": "fp8 max_rel",
+    "flashinfer_us": "FI 16-bit us",
+    "flashinfer_fp8_us": "FI fp8 us",
+    "flashinfer_16bit_over_fp8": "FI 16/8",
+    "v2_fp8_over_flashinfer_fp8": "v2/FI fp8",
+}
+
 
 # ----------------------------------------------------------------- arguments
 
@@ -255,6 +337,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"skip cells that would end after this many seconds (default {SUITE_BUDGET_S:.0f} with --suite, "
         "else none; 0 = none); an alarm stops the run 25 s after it",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default=None,
+        help="fp8: time v2 (and FlashInfer) over an fp8 e4m3 copy of each cell's cache next to the --dtype "
+        "(float16 or bfloat16) cache; methods v2 and flashinfer; writes microbench-fp8.{csv,md}",
+    )
+    p.add_argument(
+        "--fp8-scale",
+        type=float,
+        default=None,
+        help=f"with --kv-dtype fp8: per-tensor k_scale = v_scale; the cache holds x / scale (default {FP8_SCALE})",
+    )
     p.add_argument("--commit", help="commit to print in the report (default: git rev-parse, else $CUPAGED_COMMIT)")
     p.add_argument(
         "--out-dir", default="microbench-out", help="folder for the default output paths (default ./microbench-out)"
@@ -268,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    methods_given = args.methods is not None
     try:
         for axis in AXES:
             setattr(args, axis, _common.parse_list(getattr(args, axis), int))
@@ -312,12 +408,38 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{axis.replace('_', '-')} values must be >= 1")
     if args.num_qo_heads % args.num_kv_heads:
         parser.error("--num-qo-heads must be a multiple of --num-kv-heads")
+    _parse_fp8_args(parser, args, methods_given)
     out = Path(args.out_dir)
-    stem = f"microbench-{args.suite}" if args.suite else "microbench"
+    stem = f"microbench-{args.suite}" if args.suite else "microbench-fp8" if args.kv_dtype else "microbench"
     args.csv = args.csv or str(out / f"{stem}.csv")
     args.md = args.md or str(out / f"{stem}.md")
     args.png = args.png or str(out / f"{stem}.png")
     return args
+
+
+def _parse_fp8_args(parser: argparse.ArgumentParser, args: argparse.Namespace, methods_given: bool) -> None:
+    """``--kv-dtype`` / ``--fp8-scale``: canonical ``args.kv_dtype`` (None or
+    :data:`FP8_KV_DTYPE`), ``args.fp8_scale``, and the methods of fp8 mode
+    (v2 and flashinfer; others are refused when asked for)."""
+    if args.kv_dtype is None:
+        if args.fp8_scale is not None:
+            parser.error("--fp8-scale needs --kv-dtype fp8")
+        return
+    args.kv_dtype = FP8_KV_DTYPE
+    if args.suite:
+        parser.error("--kv-dtype and --suite do not combine")
+    if args.dtype not in FP8_Q_DTYPES:
+        parser.error(f"--kv-dtype fp8 needs --dtype {' or '.join(FP8_Q_DTYPES)} (the q/out dtype), got {args.dtype}")
+    if args.fp8_scale is None:
+        args.fp8_scale = FP8_SCALE
+    if not (math.isfinite(args.fp8_scale) and args.fp8_scale > 0):
+        parser.error(f"--fp8-scale must be positive and finite, got {args.fp8_scale}")
+    if methods_given:
+        other = [m for m in args.methods if m not in ("v2", "flashinfer")]
+        if other:
+            parser.error(f"--kv-dtype fp8 times v2 and flashinfer only, not {', '.join(other)}")
+    else:
+        args.methods = ("v2", "flashinfer")
 
 
 def sweep_axes(args: argparse.Namespace) -> dict:
@@ -702,15 +824,19 @@ def summarize_runner(runner: Runner, total_bytes: int) -> dict:
 # ------------------------------------------------------------------ runners
 
 
-def cupaged_runner(method: str, batch: _common.DeviceBatch, plan, stream) -> Runner:
+def cupaged_runner(method: str, batch: _common.DeviceBatch, plan, stream, *, name: str | None = None,
+                   caches: list | None = None, **decode_kwargs) -> Runner:
+    """Runner of ``cupaged.decode(..., method=method)`` over ``caches``
+    (default ``batch.caches``); extra keywords go to ``decode`` (``k_scale``,
+    ``v_scale`` for an fp8 cache)."""
     import cupaged
 
     out = _common.nan_like(batch.q)
     calls = [
-        (lambda k=k, v=v: cupaged.decode(batch.q, k, v, batch.table, plan, method=method, out=out))
-        for k, v in batch.caches
+        (lambda k=k, v=v: cupaged.decode(batch.q, k, v, batch.table, plan, method=method, out=out, **decode_kwargs))
+        for k, v in (batch.caches if caches is None else caches)
     ]
-    return Runner(method, calls, out, lambda: stream)
+    return Runner(name or method, calls, out, lambda: stream)
 
 
 class FlashInfer:
@@ -756,7 +882,14 @@ class FlashInfer:
         torch = self.torch
         return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[np.dtype(dtype).name]
 
-    def runners(self, batch: _common.DeviceBatch, stream) -> list[Runner]:
+    def runners(self, batch: _common.DeviceBatch, stream, *, caches: list | None = None, kv_dtype: str | None = None,
+                k_scale: float | None = None, v_scale: float | None = None,
+                prefix: str = "flashinfer") -> list[Runner]:
+        """One runner per decode variant, named ``<prefix>_<variant>``.
+        Default: q's dtype over ``batch.caches``. With ``kv_dtype``
+        ``"float8_e4m3fn"``: ``caches`` are uint8 e4m3 bits, viewed as
+        ``torch.float8_e4m3fn``, and ``k_scale``/``v_scale`` go to ``run``
+        (None: not passed)."""
         torch = self.torch
         table = batch.table
         dev = dict(dtype=torch.int32, device="cuda")
@@ -765,7 +898,13 @@ class FlashInfer:
         last = torch.tensor(np.array(table.last_page_len), **dev)
         tdtype = self.torch_dtype(batch.dtype)
         q = self.tensor(batch.q)
-        caches = [(self.tensor(k), self.tensor(v)) for k, v in batch.caches]
+        kv_tdtype = tdtype
+        scales = {k: s for k, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None}
+        if kv_dtype is None:
+            caches = [(self.tensor(k), self.tensor(v)) for k, v in batch.caches]
+        else:
+            kv_tdtype = getattr(torch, kv_dtype)
+            caches = [(self.tensor(k).view(kv_tdtype), self.tensor(v).view(kv_tdtype)) for k, v in caches]
         external = torch.cuda.ExternalStream(stream.ptr)
 
         @contextlib.contextmanager
@@ -790,13 +929,15 @@ class FlashInfer:
                     batch.head_dim,
                     batch.layout.page_size,
                     q_data_type=tdtype,
-                    kv_data_type=tdtype,
+                    kv_data_type=kv_tdtype,
                 )
                 torch.cuda.synchronize()
-                calls = [(lambda k=k, v=v, w=wrapper, o=out_t: w.run(q, (k, v), out=o)) for k, v in caches]
-                runners.append(Runner(f"flashinfer_{name}", calls, out, context))
+                calls = [
+                    (lambda k=k, v=v, w=wrapper, o=out_t: w.run(q, (k, v), out=o, **scales)) for k, v in caches
+                ]
+                runners.append(Runner(f"{prefix}_{name}", calls, out, context))
             except Exception as e:
-                r = Runner(f"flashinfer_{name}", [], out, context)
+                r = Runner(f"{prefix}_{name}", [], out, context)
                 r.error = _short(e)
                 r.timing = f"error: {r.error}"
                 runners.append(r)
@@ -982,6 +1123,277 @@ def _measure_cell(
     for runner in runners:
         runner.graph = None  # graphs go before the memory they point into
     return row, failures, notes
+
+
+# ------------------------------------------------------------ fp8 KV cache
+
+
+def e4m3_lut(dtype: np.dtype, scale: float, to_e4m3=None) -> np.ndarray:
+    """uint8 ``[65536]``: the float8 e4m3fn bits of ``x / scale`` for every
+    bit pattern ``x`` of the 16-bit ``dtype`` (float16 or bfloat16), so that
+    ``lut[cache.view(uint16)]`` quantizes a whole cache on the GPU exactly as
+    ``cupaged.fp8.to_e4m3(cache, scale)`` would (it is elementwise).
+    ``to_e4m3``: the quantizer (default ``cupaged.fp8.to_e4m3``, else the
+    same rule with ml_dtypes: clip ``x / scale`` to +-448, round to nearest
+    even).
+
+    >>> lut = e4m3_lut(np.dtype(np.float16), 1.0)
+    >>> [hex(lut[np.array(x, np.float16).view(np.uint16)]) for x in (1.0, -2.0, 448.0, 1000.0)]
+    ['0x38', '0xc0', '0x7e', '0x7e']
+    """
+    values = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.dtype(dtype))
+    if to_e4m3 is None:
+        try:
+            from cupaged.fp8 import to_e4m3
+        except ImportError:  # no cupaged.fp8: the same rule, spelled out
+            to_e4m3 = _to_e4m3_ml_dtypes
+    return np.ascontiguousarray(to_e4m3(values, scale), dtype=np.uint8)
+
+
+def _to_e4m3_ml_dtypes(x: np.ndarray, scale: float) -> np.ndarray:
+    import ml_dtypes
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.clip(x.astype(np.float64) / scale, -448.0, 448.0)
+    return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def fp8_caches(caches: list, dtype: np.dtype, scale: float) -> list:
+    """uint8 e4m3 copies (``x / scale``) of the 16-bit ``(k, v)`` cupy
+    caches, quantized on the GPU through :func:`e4m3_lut` in chunks (no
+    full-size temporary)."""
+    import cupy
+
+    lut = cupy.asarray(e4m3_lut(dtype, scale))
+    out = []
+    for pair in caches:
+        converted = []
+        for a in pair:
+            src = cupy.ascontiguousarray(a).reshape(-1).view(cupy.uint16)
+            dst = cupy.empty(a.shape, dtype=cupy.uint8)
+            flat = dst.reshape(-1)
+            for start in range(0, src.size, _common._FILL_CHUNK):
+                stop = min(src.size, start + _common._FILL_CHUNK)
+                flat[start:stop] = cupy.take(lut, src[start:stop])
+            converted.append(dst)
+        out.append(tuple(converted))
+    cupy.cuda.Device().synchronize()
+    return out
+
+
+def run_fp8_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None):
+    """:func:`run_cell` of ``--kv-dtype fp8``: (row, failures, notes); GPU
+    memory released before returning."""
+    try:
+        return _measure_fp8_cell(cell, args, stream, flashinfer)
+    finally:
+        if flashinfer is not None and flashinfer.available:
+            flashinfer.torch.cuda.empty_cache()
+        _common.free_gpu_memory()
+
+
+def _best_flashinfer(results: dict, prefix: str) -> tuple[str | None, dict | None]:
+    """(variant, result) of the faster FlashInfer variant under ``prefix``
+    (the first when neither has a time); (None, None) when none ran."""
+    fi = [(name, results[f"{prefix}_{name}"]) for name, _ in FLASHINFER_VARIANTS if f"{prefix}_{name}" in results]
+    if not fi:
+        return None, None
+    timed = [(name, res) for name, res in fi if res.get("us") is not None]
+    name, best = min(timed, key=lambda x: x[1]["us"]) if timed else fi[0]
+    best = dict(best)
+    others = "; ".join(f"{n}: {_common.format_value(res.get('us'))} us ({res['timing']})" for n, res in fi)
+    best["timing"] = f"{best['timing']} [{others}]"
+    return name, best
+
+
+def _measure_fp8_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None):
+    import cupaged
+
+    dtype_name, num_qo_heads, num_kv_heads, head_dim = cell_shape(cell, args)
+    dtype = _common.resolve_dtype(dtype_name)
+    scale = float(args.fp8_scale)
+    layout = _common.plan_layout(
+        cell["batch"], cell["ctx"], cell["page_size"], seed=args.seed, mid_page=False, page_order=args.page_order
+    )
+    kv = _common.kv_bytes(layout, num_kv_heads, head_dim, dtype.itemsize)
+    kv8 = _common.kv_bytes(layout, num_kv_heads, head_dim, 1)
+    total = _common.decode_bytes(layout, num_qo_heads, num_kv_heads, head_dim, dtype.itemsize)
+    total8 = total - kv + kv8
+    replicas = num_replicas(kv8)  # sized on the smaller cache: neither runs from L2
+    n_graph = graph_calls(replicas)
+    batch = _common.make_device_batch(
+        layout, num_qo_heads, num_kv_heads, head_dim, dtype, seed=args.seed, replicas=replicas
+    )
+    caches8 = fp8_caches(batch.caches, dtype, scale)
+    plan = cupaged.plan_decode(batch.table, num_qo_heads, num_kv_heads, head_dim, dtype)
+    plan8 = cupaged.plan_decode(batch.table, num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype=FP8_KV_DTYPE)
+    row = {
+        **{a: cell[a] for a in AXES},
+        "num_qo_heads": num_qo_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "dtype": dtype_name,
+        "kv_dtype": FP8_KV_DTYPE,
+        "fp8_scale": scale,
+        "page_order": args.page_order,
+        "replicas": replicas,
+        "graph_calls": n_graph,
+        "reps": args.reps,
+        "kv_bytes": kv,
+        "kv_bytes_fp8": kv8,
+        "total_bytes": total,
+        "total_bytes_fp8": total8,
+        "v2_pages_per_chunk": int(plan.pages_per_chunk),
+        "v2_num_chunks": int(plan.num_chunks),
+        "v2_needs_merge": bool(plan.needs_merge),
+        "v2_fp8_pages_per_chunk": int(plan8.pages_per_chunk),
+    }
+    failures, notes = [], []
+    anchor = None  # 16-bit v2 output of replica 0: every method is compared with it
+    try:
+        with stream:
+            anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
+        stream.synchronize()
+    except Exception as e:
+        failures.append(f"v2 anchor: {_short(e)}")
+
+    runners = []
+    if "v2" in args.methods:
+        runners.append(cupaged_runner("v2", batch, plan, stream))
+        runners.append(cupaged_runner("v2", batch, plan8, stream, name="v2_fp8", caches=caches8,
+                                      k_scale=scale, v_scale=scale))
+    if "flashinfer" in args.methods:
+        if flashinfer is not None and flashinfer.available:
+            fi_scale = None if scale == 1.0 else scale  # FlashInfer applies v_scale as a separate launch
+            for kw in ({}, dict(caches=caches8, kv_dtype=FP8_KV_DTYPE, k_scale=fi_scale, v_scale=fi_scale,
+                                prefix="flashinfer_fp8")):
+                try:
+                    runners += flashinfer.runners(batch, stream, **kw)
+                except Exception as e:
+                    notes.append(f"{kw.get('prefix', 'flashinfer')} setup: {_short(e)}")
+        else:
+            row["flashinfer_timing"] = f"unavailable: {flashinfer.reason if flashinfer else 'not loaded'}"
+    for runner in runners:
+        if not runner.error:
+            prepare(runner, stream, n_graph, anchor)
+            runner.replays = max(3, math.ceil(args.iters / n_graph))
+            runner.iters, runner.host_iters, runner.reps = args.iters, args.host_iters, args.reps
+    for _ in range(args.reps):
+        for runner in runners:
+            if runner.error:
+                continue
+            try:
+                sample(runner, stream)
+            except Exception as e:
+                runner.error = _short(e)
+                runner.timing = f"error: {runner.error}"
+                _abort_capture(stream)
+    for runner in runners:
+        if runner.error:
+            (notes if runner.name.startswith("flashinfer") else failures).append(f"{runner.name}: {runner.error}")
+
+    results = {r.name: summarize_runner(r, total8 if "fp8" in r.name else total) for r in runners}
+    for prefix in ("flashinfer", "flashinfer_fp8"):
+        variant, best = _best_flashinfer(results, prefix)
+        if best is not None:
+            results[prefix] = best
+            row[f"{prefix}_variant"] = variant
+    for method in FP8_METHODS:
+        for key, value in results.get(method, {}).items():
+            row[f"{method}_{key}"] = value
+    for column, num, den in (
+        ("v2_16bit_over_fp8", "v2", "v2_fp8"),
+        ("flashinfer_16bit_over_fp8", "flashinfer", "flashinfer_fp8"),
+        ("v2_fp8_over_flashinfer_fp8", "flashinfer_fp8", "v2_fp8"),
+        ("v2_over_flashinfer", "flashinfer", "v2"),
+    ):
+        if row.get(f"{num}_us") and row.get(f"{den}_us"):
+            row[column] = row[f"{num}_us"] / row[f"{den}_us"]
+    for runner in runners:
+        runner.graph = None  # graphs go before the memory they point into
+    return row, failures, notes
+
+
+def fp8_markdown_report(rows: list[dict], args: argparse.Namespace, flashinfer: FlashInfer | None) -> str:
+    fi = "not requested"
+    if "flashinfer" in args.methods:
+        fi = (
+            f"FlashInfer {flashinfer.version}"
+            if flashinfer and flashinfer.available
+            else f"unavailable ({flashinfer.reason if flashinfer else '?'})"
+        )
+    head = [
+        "# cupaged paged-decode microbenchmark: fp8 (e4m3) KV cache vs 16-bit",
+        "",
+        f"- device: {device_name()}; q/out {args.dtype}, KV {args.dtype} vs {FP8_KV_DTYPE} (uint8 bits, "
+        f"the 16-bit values / {args.fp8_scale:g}, k_scale = v_scale = {args.fp8_scale:g}); {args.num_qo_heads} q / "
+        f"{args.num_kv_heads} kv heads, head_dim {args.head_dim}, page order {args.page_order}, "
+        "first_page_offset = 0 for every request",
+        f"- peer: {fi} (better of CUDA-core and tensor-core decode, per KV dtype)",
+        f"- time: µs per call, median of {args.reps} repetitions, GPU time under CUDA-graph replay; "
+        "16/8 = 16-bit time / fp8 time (> 1: fp8 faster); v2/FI fp8 = FlashInfer fp8 time / v2 fp8 time",
+        "- TB/s of fp8 counts one byte per KV element; fp8 max_rel = the fp8 output against the 16-bit v2 "
+        "output (quantization error)",
+        "",
+        "",
+    ]
+    return "\n".join(head) + _common.markdown_table(FP8_MD_COLUMNS, rows, FP8_HEADERS)
+
+
+def main_fp8(args: argparse.Namespace) -> int:
+    """``--kv-dtype fp8``: the sweep's cells, 16-bit and fp8 caches side by side."""
+    import cupy
+
+    the_cells = cells(args)
+    flashinfer = None
+    if "flashinfer" in args.methods:
+        flashinfer = FlashInfer()
+        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
+        print(f"flashinfer: {status}", flush=True)
+    print(
+        f"microbench --kv-dtype fp8: {len(the_cells)} cells x {', '.join(args.methods)} over {args.dtype} and "
+        f"{FP8_KV_DTYPE} caches (scale {args.fp8_scale:g}); {args.num_qo_heads}q/{args.num_kv_heads}kv "
+        f"D{args.head_dim}; reps {args.reps}, iters {args.iters}",
+        flush=True,
+    )
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows, failures = [], []
+    try:
+        for cell in the_cells:
+            t0 = time.perf_counter()
+            where = f"batch {cell['batch']} ctx {cell['ctx']} P {cell['page_size']}"
+            try:
+                row, fails, notes = run_fp8_cell(cell, args, stream, flashinfer)
+            except Exception as e:  # e.g. out of memory building the cell: keep going
+                failures.append(f"{where}: {_short(e)}")
+                print(f"{where}: FAILED {_short(e)}", flush=True)
+                continue
+            row["wall_s"] = time.perf_counter() - t0
+            rows.append(row)
+            _common.write_csv(args.csv, FP8_CSV_COLUMNS, rows)  # after every cell: a run cut short keeps them
+            failures += [f"{where}: {f}" for f in fails]
+            parts = [f"{m} {_common.format_value(row.get(f'{m}_us'))}us" for m in FP8_METHODS if row.get(f"{m}_us")]
+            ratio = row.get("v2_16bit_over_fp8")
+            print(
+                f"{where}: {'  '.join(parts)}" + (f"  v2 16/8 {ratio:.2f}" if ratio else "")
+                + f"  ({time.perf_counter() - t0:.1f} s)",
+                flush=True,
+            )
+            for f in fails:
+                print(f"  ! {f}", flush=True)
+            for n in notes:
+                print(f"  note: {n}", flush=True)
+    finally:
+        if rows:
+            _common.write_csv(args.csv, FP8_CSV_COLUMNS, rows)
+            Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.md).write_text(fp8_markdown_report(rows, args, flashinfer))
+            print(f"wrote {args.csv}, {args.md}")
+    for f in failures:
+        print(f"failure: {f}")
+    print(f"SUMMARY: {len(rows)}/{len(the_cells)} cells measured, {len(failures)} failures")
+    print(_common.text_table(FP8_MD_COLUMNS, rows, FP8_HEADERS))
+    return 1 if failures else 0
 
 
 # ------------------------------------------------------------------- outputs
@@ -1316,6 +1728,8 @@ def main(argv=None) -> int:
     _common.require_gpu()
     if args.suite:
         return main_suite(args, argv)
+    if args.kv_dtype:
+        return main_fp8(args)
     import cupy
 
     the_cells = cells(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
 import weakref
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from cupaged import plan as plan_mod
-from cupaged.errors import PlanMismatchError
+from cupaged.errors import InvalidArgumentError, PlanMismatchError
 from cupaged.page_table import PageTable
 from cupaged.plan import (
     CTAS_PER_SM,
@@ -535,3 +536,165 @@ def test_default_pages_per_chunk_rules():
     # plan_decode uses it unless a target or a chunk size is given
     t = table_from_pages(np.random.default_rng(3), [1024] * 8)
     assert plan_decode(t, 64, 8, 128, "float16", num_sms=132).pages_per_chunk == c
+
+
+# --------------------------------------------------------------------------
+# kv_dtype (fp8 caches)
+# --------------------------------------------------------------------------
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", ["float16", ml_dtypes.bfloat16])
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", ml_dtypes.float8_e4m3fn, FP8, np.uint8, "uint8"])
+def test_plan_kv_dtype_fp8_spellings(dtype, kv_dtype):
+    t = make_table(np.random.default_rng(30), [40, 3], 16)
+    p = plan_decode(t, 8, 2, 128, dtype, kv_dtype=kv_dtype)
+    assert isinstance(p.kv_dtype, np.dtype) and p.kv_dtype == FP8 and p.kv_dtype.name == "float8_e4m3fn"
+    assert p.dtype == np.dtype(dtype)
+    assert "kv_dtype=dtype(" in repr(p) and "float8_e4m3fn" in repr(p)
+    # the chunking does not depend on the cache dtype
+    same = plan_decode(t, 8, 2, 128, dtype, pages_per_chunk=p.pages_per_chunk)
+    assert (same.request_chunks == p.request_chunks).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_plan_kv_dtype_defaults_to_dtype(dtype):
+    t = make_table(np.random.default_rng(31), [40], 16)
+    assert plan_decode(t, 4, 4, 64, dtype).kv_dtype == np.dtype(dtype)
+    assert plan_decode(t, 4, 4, 64, dtype, kv_dtype=dtype).kv_dtype == np.dtype(dtype)
+    assert plan_decode(t, 4, 4, 64, dtype).deterministic is False
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", [
+    ("float32", "float8_e4m3fn"),            # fp8 only under a 16-bit q
+    ("float32", np.uint8),
+    ("float16", "bfloat16"),                 # mixed 16-bit: no kernel
+    ("bfloat16", np.float16),
+    ("float16", np.float32),
+    ("float16", np.int8),
+    ("float16", ml_dtypes.float8_e5m2),      # another fp8 format
+    ("float16", "not-a-dtype"),
+])
+def test_plan_kv_dtype_rejects_unsupported_pairs(dtype, kv_dtype):
+    t = make_table(np.random.default_rng(32), [40], 16)
+    with pytest.raises(InvalidArgumentError, match="kv_dtype") as e:
+        plan_decode(t, 4, 4, 64, dtype, kv_dtype=kv_dtype)
+    for pair in ("(float16, float8_e4m3fn)", "(bfloat16, float8_e4m3fn)", "(float32, float32)"):
+        assert pair in str(e.value)            # the message lists what is supported
+
+
+def test_supported_dtype_pairs_table():
+    pairs = {(q.name, kv.name) for q, kv in plan_mod.SUPPORTED_DTYPE_PAIRS}
+    assert pairs == {("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+                     ("float16", "float8_e4m3fn"), ("bfloat16", "float8_e4m3fn")}
+    assert plan_mod.FLOAT8_E4M3 == FP8
+
+
+def test_plan_direct_construction_kv_dtype_and_deterministic_optional():
+    kw = dict(batch_size=1, num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+              dtype="bfloat16", group_size=2, heads_per_cta=2, q_groups=1, pages_per_chunk=1,
+              target_ctas=4, num_chunks=1, chunk_request=[0], chunk_index=[0], o_indptr=[0, 1],
+              request_chunks=[1], num_ctas=1, grid=(1, 1, 1), needs_merge=False, workspace_bytes=0)
+    p = DecodePlan(**kw)                                   # the pre-fp8 field set still builds
+    assert p.kv_dtype == np.dtype(ml_dtypes.bfloat16) and p.deterministic is False
+    p = DecodePlan(**kw, kv_dtype=np.uint8, deterministic=1)
+    assert p.kv_dtype == FP8 and p.deterministic is True
+    assert "deterministic=True" in repr(p)
+
+
+# --------------------------------------------------------------------------
+# deterministic (batch-invariant) plans
+# --------------------------------------------------------------------------
+def test_deterministic_pages_per_chunk():
+    assert plan_mod.DETERMINISTIC_CHUNK_TOKENS == 1024
+    for P in (1, 2, 3, 7, 16, 32, 100, 1024, 1025, 65536):
+        c = plan_mod.deterministic_pages_per_chunk(P)
+        assert c == max(1, 1024 // P)
+        assert c * P <= 1024 or c == 1
+    with pytest.raises(ValueError, match="page_size"):
+        plan_mod.deterministic_pages_per_chunk(0)
+
+
+def csr_table(requests, page_size):
+    """PageTable of ``requests``, each ``(page_ids, last_page_len, first_page_offset)``."""
+    indptr = np.cumsum([0] + [len(r[0]) for r in requests]).astype(np.int32)
+    indices = np.concatenate([np.asarray(r[0], np.int32) for r in requests] + [np.zeros(0, np.int32)])
+    last = np.array([r[1] for r in requests], np.int32)
+    off = np.array([r[2] for r in requests], np.int32)
+    return PageTable(indices, indptr, last, off, page_size=page_size)
+
+
+def random_request(rng, page_size, max_len, ids):
+    """A request over fresh page ids drawn from the iterator ``ids``."""
+    n = int(rng.integers(0, max_len + 1))
+    if n == 0:
+        return ([], 0, 0)
+    off = int(rng.integers(0, page_size)) if rng.random() < 0.5 else 0
+    pages = -(-(off + n) // page_size)
+    return ([next(ids) for _ in range(pages)], off + n - (pages - 1) * page_size, off)
+
+
+def request_layout(plan, table, i):
+    """Everything about request ``i``'s chunks that the kernels see."""
+    lo, hi = int(plan.o_indptr[i]), int(plan.o_indptr[i + 1])
+    ts, te = plan.chunk_token_ranges(table)
+    ps, pe = plan.chunk_page_ranges(table)
+    pages = [tuple(table.indices[a:b].tolist()) for a, b in zip(ps[lo:hi], pe[lo:hi])]
+    return (plan.pages_per_chunk, hi - lo, plan.chunk_index[lo:hi].tolist(),
+            ts[lo:hi].tolist(), te[lo:hi].tolist(), pages)
+
+
+def test_deterministic_layout_is_batch_invariant(monkeypatch):
+    """A request's chunk layout is the same alone and at any position of
+    random batches, whatever the batch, the SM count or the env target."""
+    rng = np.random.default_rng(40)
+    changed = 0
+    for trial in range(60):
+        P = int(rng.choice([1, 3, 16, 32, 100]))
+        ids = itertools.count(int(rng.integers(0, 1000)))
+        target = random_request(rng, P, 6000, ids)
+        alone_t = csr_table([target], P)
+        alone = plan_decode(alone_t, 32, 8, 128, "float16", deterministic=True, num_sms=132)
+        want = request_layout(alone, alone_t, 0)
+        default_alone = plan_decode(alone_t, 32, 8, 128, "float16", num_sms=132)
+        for _ in range(4):
+            b = int(rng.choice([2, 5, 33, 130]))
+            longest = 40000 if P >= 16 else 4000
+            others = [random_request(rng, P, int(rng.choice([50, 1000, longest])), ids) for _ in range(b - 1)]
+            pos = int(rng.integers(0, b))
+            batch_t = csr_table(others[:pos] + [target] + others[pos:], P)
+            if trial % 3 == 1:
+                monkeypatch.setenv("CUPAGED_TARGET_CTAS", str(int(rng.integers(1, 5000))))
+            sms = int(rng.choice([8, 132, 1000]))
+            plan = plan_decode(batch_t, 32, 8, 128, "float16", deterministic=True, num_sms=sms)
+            monkeypatch.delenv("CUPAGED_TARGET_CTAS", raising=False)
+            assert plan.deterministic
+            assert request_layout(plan, batch_t, pos) == want, (trial, P, b, pos)
+            # control: the default plan's chunking does depend on the batch
+            default = plan_decode(batch_t, 32, 8, 128, "float16", num_sms=132)
+            changed += default.pages_per_chunk != default_alone.pages_per_chunk
+    assert changed > 100  # so the invariance above is not vacuous
+
+
+def test_deterministic_plan_fields(monkeypatch):
+    rng = np.random.default_rng(41)
+    t = make_table(rng, [3000, 1024, 1025, 1, 0], 16)        # 188, 64, 65, 1, 0 pages
+    p = plan_decode(t, 32, 8, 128, "bfloat16", deterministic=True)
+    assert p.pages_per_chunk == 64 and p.deterministic
+    assert p.request_chunks.tolist() == [3, 1, 2, 1, 1]
+    assert p.needs_merge and p.matches(t)
+    # env and device facts that steer the default play no part
+    monkeypatch.setenv("CUPAGED_TARGET_CTAS", "100000")
+    assert plan_decode(t, 32, 8, 128, "bfloat16", deterministic=True, num_sms=1).pages_per_chunk == 64
+    monkeypatch.delenv("CUPAGED_TARGET_CTAS")
+    # an explicit pages_per_chunk is used as given (it is batch-invariant too)
+    p = plan_decode(t, 32, 8, 128, "bfloat16", deterministic=True, pages_per_chunk=5)
+    assert p.pages_per_chunk == 5 and p.deterministic
+    for bad in (1, "yes", None):
+        with pytest.raises(InvalidArgumentError, match="deterministic"):
+            plan_decode(t, 32, 8, 128, "bfloat16", deterministic=bad)
+    assert plan_decode(t, 32, 8, 128, "bfloat16", deterministic=np.bool_(True)).deterministic is True
+    # page size 1 and 4096: 1024 pages per chunk, and one page per chunk
+    assert plan_decode(make_table(rng, [2049], 1), 8, 8, 64, "float16", deterministic=True).request_chunks[0] == 3
+    big = plan_decode(make_table(rng, [9000], 4096), 8, 8, 64, "float16", deterministic=True)
+    assert big.pages_per_chunk == 1 and big.request_chunks[0] == 3

@@ -115,7 +115,7 @@ INPUT_ROWS = {
                               (*fakes(v_shape=(15, 16, 2, 128)), TABLE)),
     "mixed_dtypes": (DTypeError, "must share one dtype",
                      (FakeArray(Q_SHAPE, np.float32), FakeArray(CACHE_SHAPE), FakeArray(CACHE_SHAPE), TABLE)),
-    "unsupported_dtype": (DTypeError, "no kernel serves; supported: float16, bfloat16, float32",
+    "unsupported_dtype": (DTypeError, "which no kernel serves; supported: float16 q with float16 KV",
                           (*fakes(dtype=np.float64), TABLE)),
     "head_dims_differ": (ShapeError, "q's head_dim (q.shape[2] = 64) must equal the caches' head_dim",
                          (*fakes(q_shape=(3, 8, 64)), TABLE)),
@@ -237,8 +237,8 @@ def test_kernels_decline_strided_or_misaligned_cpu(ptr, strides, reason):
 
 
 def test_head_dim_without_kernel_falls_back_cpu():
-    sel = _select(*fakes(q_shape=(3, 8, 96), k_shape=(16, 16, 2, 96)), TABLE, "auto")
-    assert sel.method == "gather" and "head_dim 96 has no kernel instance" in sel.reason
+    sel = _select(*fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80)), TABLE, "auto")
+    assert sel.method == "gather" and "head_dim 80 has no kernel instance" in sel.reason
 
 
 def test_plan_checks_cpu():
@@ -247,7 +247,7 @@ def test_plan_checks_cpu():
     _check_plan(plan, TABLE, q, k, "float16")
     with pytest.raises(ArgumentTypeError, match="plan must be a cupaged.DecodePlan"):
         _check_plan(object(), TABLE, q, k, "float16")
-    fragment = "plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype) = (16, 2, 128, 'float16')"
+    fragment = "plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype[+kv_dtype]) = (16, 2, 128, 'float16')"
     with pytest.raises(PlanMismatchError, match=_escape(fragment)):
         _check_plan(cupaged.plan_decode(TABLE, 16, 2, 128, np.float16), TABLE, q, k, "float16")
     with pytest.raises(PlanMismatchError, match="plan was built for"):
@@ -280,8 +280,8 @@ MERGE_ROWS = {
                            merge_args(lse=FakeArray((4, 8), np.float32, strides=(64, 8)))),
     "lse_on_another_device": (DeviceMismatchError, "lse must be on v's device 0, got device 1",
                               merge_args(lse=FakeArray((4, 8), np.float32, device=1))),
-    "head_dim_without_kernel": (UnsupportedConfigError, "v's head_dim: unsupported head_dim 96",
-                                merge_args(v=FakeArray((4, 8, 96), np.float32))),
+    "head_dim_without_kernel": (UnsupportedConfigError, "v's head_dim: unsupported head_dim 80",
+                                merge_args(v=FakeArray((4, 8, 80), np.float32))),
     "out_dtype": (DTypeError, "out_dtype must be one of float16, bfloat16, float32", merge_args(out_dtype=np.float64)),
     "o_indptr_list": (DTypeError, "o_indptr must be a 1-D int32 NumPy or CuPy array, got list",
                       merge_args(o_indptr=[0, 4])),
@@ -703,8 +703,8 @@ MERGE_GPU_ROWS = {
     "lse_dtype": (DTypeError, "lse must be float32", lambda cp, v, lse: (v, lse.astype(cp.float64), IND)),
     "lse_not_contiguous": (LayoutError, "lse must be C-contiguous",
                            lambda cp, v, lse: (v, cp.repeat(lse, 2, axis=1)[:, ::2], IND)),
-    "head_dim_without_kernel": (UnsupportedConfigError, "unsupported head_dim 96",
-                                lambda cp, v, lse: (cp.ascontiguousarray(v[:, :, :96]), lse, IND)),
+    "head_dim_without_kernel": (UnsupportedConfigError, "unsupported head_dim 80",
+                                lambda cp, v, lse: (cp.ascontiguousarray(v[:, :, :80]), lse, IND)),
     "o_indptr_int64": (DTypeError, "o_indptr must be int32", lambda cp, v, lse: (v, lse, IND.astype(np.int64))),
     "o_indptr_int64_device": (DTypeError, "o_indptr must be int32",
                               lambda cp, v, lse: (v, lse, cp.asarray(IND, dtype=cp.int64))),
