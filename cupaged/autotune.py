@@ -19,6 +19,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from . import _configs
@@ -49,9 +50,10 @@ def candidates(table: PageTable, heuristic: int) -> list[int]:
     return sorted(sizes | {longest, int(heuristic)})
 
 
-def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: PageTable) -> str:
-    """Key of the on-disk cache: device, dtype, head_dim, GQA group, page size,
-    bucketed batch and bucketed longest request, joined by ``|``.
+def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: PageTable, kv_dtype=None) -> str:
+    """Key of the on-disk cache: device, dtype (``<q>+float8_e4m3fn`` for an
+    fp8 cache: ``kv_dtype`` uint8 or float8_e4m3fn), head_dim, GQA group,
+    page size, bucketed batch and bucketed longest request, joined by ``|``.
 
     Raises ``ValueError`` for a dtype other than float16, bfloat16 or float32.
 
@@ -60,8 +62,20 @@ def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: Pa
     >>> cache_key("NVIDIA H200", np.float16, 128, 4, PageTable.from_seq_lens([1000, 40], 16))
     'NVIDIA H200|float16|128|4|16|2|1024'
     """
-    return "|".join(map(str, (device_name, _configs.dtype_name(dtype), head_dim, group_size, table.page_size,
+    name = _configs.dtype_name(dtype)
+    if kv_dtype is not None and _fp8(kv_dtype):
+        name = _configs.variant(name, _configs.FP8)
+    return "|".join(map(str, (device_name, name, head_dim, group_size, table.page_size,
                               bucket(table.batch_size), bucket(int(table.seq_lens.max(initial=1))))))
+
+
+def _fp8(kv_dtype) -> bool:
+    return np.dtype(kv_dtype) in (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+
+
+def _kv_dtype(q, k_cache):
+    """plan_decode's kv_dtype for these arrays: fp8 for uint8 caches, else None."""
+    return _configs.FP8 if k_cache.dtype == np.uint8 and q.dtype != np.uint8 else None
 
 
 def _cache_path() -> Path:
@@ -211,15 +225,16 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneRe
 
     num_qo_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    heuristic = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype).pages_per_chunk
+    kv = _kv_dtype(q, k_cache)
+    heuristic = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype, kv_dtype=kv).pages_per_chunk
     out = cupy.empty_like(q)
     timings = {}
     for c in candidates(table, heuristic):
-        plan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype, pages_per_chunk=c)
+        plan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype, kv_dtype=kv, pages_per_chunk=c)
         timings[c] = graph_time_us(lambda: decode(q, k_cache, v_cache, table, plan, method="v2", out=out))
     best = min(timings, key=timings.get)
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table)
+    key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table, k_cache.dtype)
     if store:
         _store(key, best)
     return TuneResult(key, best, heuristic, timings)
@@ -259,8 +274,9 @@ def tuned_plan(q, k_cache, v_cache, table: PageTable) -> DecodePlan:
     num_qo_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table)
+    key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table, k_cache.dtype)
     best = _load_cache().get(key)
     if best is None:
         best = tune(q, k_cache, v_cache, table).best
-    return plan_decode(table, num_qo_heads, num_kv_heads, head_dim, np.dtype(q.dtype), pages_per_chunk=int(best))
+    return plan_decode(table, num_qo_heads, num_kv_heads, head_dim, np.dtype(q.dtype), kv_dtype=_kv_dtype(q, k_cache),
+                       pages_per_chunk=int(best))

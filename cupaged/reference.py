@@ -4,8 +4,23 @@ Every function casts its inputs to float64 and is numerically stable (scores
 have their maximum subtracted before exponentiation).  Inputs may be NumPy
 arrays of float16, float32, float64 or ``ml_dtypes.bfloat16``; objects with a
 ``.get()`` method (cupy arrays) are copied to the host first.  KV caches are
-``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD") and may be
-non-contiguous views (e.g. a slice of a larger cache).
+``[num_pages, page_size, num_kv_heads, head_dim]`` ("NHD", the default) or
+``[num_pages, num_kv_heads, page_size, head_dim]`` (``kv_layout="HND"``) and
+may be non-contiguous views (e.g. a slice of a larger cache).
+
+**Serving features** (keyword-only, same meaning as in :func:`cupaged.decode`):
+
+* fp8 KV: a cache (or ``k``/``v`` of :func:`attend`) may be **uint8**
+  float8_e4m3fn bit patterns (how CuPy holds an fp8 cache) or an
+  ``ml_dtypes.float8_e4m3fn`` array; it is dequantized exactly to float64
+  (``0x7f``/``0xff`` are NaN, so a kernel reading an invisible slot filled
+  with them fails loudly).  ``q`` stays a float array.
+* ``k_scale`` / ``v_scale``: ``None`` (1.0), a float (per tensor) or a 1-D
+  array ``[num_kv_heads]`` (per KV head), for any cache dtype: the real K is
+  ``float64(k_cache) * k_scale[kv_head]``, likewise V.
+* ``logits_soft_cap``: ``None`` or ``0`` is off; ``c > 0`` replaces each
+  logit ``s = sm_scale * q.k`` by ``c * tanh(s / c)`` before the softmax, and
+  the LSE is of the capped logits.
 
 **LSE units.**  Every log-sum-exp here is in **log2 units**, like the kernels:
 ``lse = log2(sum_t 2**(s_t * log2(e)))`` for the scaled scores ``s_t``, so the
@@ -25,10 +40,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .errors import PageTableError, PlanMismatchError
+from .errors import (
+    DTypeError,
+    InvalidArgumentError,
+    PageTableError,
+    PlanMismatchError,
+    ShapeError,
+)
 
 __all__ = [
     "LOG2E",
+    "KV_LAYOUTS",
     "gather_kv",
     "attend",
     "decode",
@@ -39,30 +61,111 @@ __all__ = [
 #: log2(e) = 1 / ln 2: multiply a natural-log quantity by it to get log2 units.
 LOG2E = 1.0 / math.log(2.0)
 
+#: The KV-cache layouts: "NHD" = [num_pages, page_size, Hkv, D] (default),
+#: "HND" = [num_pages, Hkv, page_size, D].
+KV_LAYOUTS = ("NHD", "HND")
+
 _FLOAT_DTYPES = (
     np.dtype(np.float16),
     np.dtype(np.float32),
     np.dtype(np.float64),
     np.dtype(ml_dtypes.bfloat16),
 )
+_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
-def _host(x: Any, name: str) -> np.ndarray:
-    """``x`` as a NumPy array (cupy arrays are fetched), dtype checked."""
+def _host(x: Any, name: str, fp8: bool = False) -> np.ndarray:
+    """``x`` as a NumPy array (cupy arrays are fetched), dtype checked.  With
+    ``fp8`` (KV tensors) uint8 bits and float8_e4m3fn are accepted too and
+    come back as a float8_e4m3fn view."""
     if not isinstance(x, np.ndarray) and hasattr(x, "get"):
         x = x.get()
     arr = np.asarray(x)
+    if fp8 and arr.dtype == np.uint8:
+        return arr.view(_E4M3)  # same itemsize: any strides stay valid
+    if fp8 and arr.dtype == _E4M3:
+        return arr
     if arr.dtype not in _FLOAT_DTYPES:
+        extra = (", or fp8 e4m3 (uint8 bits or ml_dtypes.float8_e4m3fn)"
+                 if fp8 else "")
         raise ValueError(
-            f"{name} must be float16, float32, float64 or bfloat16, "
+            f"{name} must be float16, float32, float64 or bfloat16{extra}, "
             f"got dtype {arr.dtype}")
     return arr
 
 
-def _f64(x: Any, name: str) -> np.ndarray:
-    a = _host(x, name)
-    if a.dtype.itemsize < 4:  # 16-bit floats: NumPy widens to float32 far faster
-        a = a.astype(np.float32)  # than to float64, and the step is exact
+def _check_layout(kv_layout: Any) -> str:
+    if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+        raise InvalidArgumentError(
+            f"kv_layout must be one of {', '.join(map(repr, KV_LAYOUTS))} "
+            f"(NHD = [num_pages, page_size, num_kv_heads, head_dim], "
+            f"HND = [num_pages, num_kv_heads, page_size, head_dim]), "
+            f"got {kv_layout!r}")
+    return kv_layout
+
+
+def _nhd(cache: np.ndarray, name: str, kv_layout: str) -> np.ndarray:
+    """A 4-D cache of ``kv_layout`` as an NHD view (no copy)."""
+    if cache.ndim != 4:
+        dims = ("[num_pages, page_size, num_kv_heads, head_dim]"
+                if kv_layout == "NHD" else
+                "[num_pages, num_kv_heads, page_size, head_dim]")
+        raise ValueError(
+            f"{name} must be {dims} (kv_layout={kv_layout!r}), "
+            f"got shape {cache.shape}")
+    return cache if kv_layout == "NHD" else cache.transpose(0, 2, 1, 3)
+
+
+def _check_cap(logits_soft_cap: Any) -> float | None:
+    """None (off) or the cap as a positive float."""
+    if logits_soft_cap is None:
+        return None
+    if isinstance(logits_soft_cap, bool) or not isinstance(
+            logits_soft_cap, (int, float, np.integer, np.floating)):
+        raise InvalidArgumentError(
+            f"logits_soft_cap must be None or a real number >= 0, got "
+            f"{logits_soft_cap!r}")
+    cap = float(logits_soft_cap)
+    if not math.isfinite(cap) or cap < 0:
+        raise InvalidArgumentError(
+            f"logits_soft_cap must be None, 0 (off) or a finite positive "
+            f"number, got {cap}")
+    return cap if cap > 0 else None
+
+
+def _check_scale(scale: Any, name: str, num_kv_heads: int
+                 ) -> np.ndarray | None:
+    """None (1.0) or the scale as float64 ``[num_kv_heads]``."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool):
+        raise InvalidArgumentError(
+            f"{name} must be None, a float or a [num_kv_heads] array, got "
+            f"{scale!r}")
+    if not isinstance(scale, np.ndarray) and hasattr(scale, "get"):
+        scale = scale.get()
+    s = np.asarray(scale)
+    if s.dtype.kind not in "fiu" and s.dtype != np.dtype(ml_dtypes.bfloat16):
+        raise DTypeError(
+            f"{name} must be a real number or a float array, got dtype "
+            f"{s.dtype}")
+    if s.ndim == 0:
+        s = np.full(num_kv_heads, float(s))
+    elif s.shape != (num_kv_heads,):
+        raise ShapeError(
+            f"{name} must be a float (per tensor) or an array of shape "
+            f"[num_kv_heads] = ({num_kv_heads},) (per head), got shape "
+            f"{s.shape}")
+    s = s.astype(np.float64)
+    if not np.isfinite(s).all():
+        raise InvalidArgumentError(f"{name} must be finite, got {s.tolist()}")
+    return s
+
+
+def _f64(x: Any, name: str, fp8: bool = False) -> np.ndarray:
+    a = _host(x, name, fp8)
+    if a.dtype.itemsize < 4:  # 8/16-bit floats: NumPy widens to float32 far
+        a = a.astype(np.float32)  # faster than to float64; the step is exact
     return a.astype(np.float64)
 
 
@@ -95,21 +198,29 @@ def _gather(cache: np.ndarray, table: Any, i: int) -> np.ndarray:
     return tokens[off:off + seq]
 
 
-def gather_kv(cache: Any, table: Any, i: int) -> np.ndarray:
+def gather_kv(cache: Any, table: Any, i: int, *, scale: Any = None,
+              kv_layout: str = "NHD") -> np.ndarray:
     """The visible tokens of request ``i``, in order, as float64
-    ``[seq_len_i, num_kv_heads, head_dim]``.
+    ``[seq_len_i, num_kv_heads, head_dim]`` (token-major whatever the cache
+    layout), dequantized and multiplied by ``scale``.
 
     Pages ``indices[indptr[i]:indptr[i+1]]`` are concatenated and the range
     ``[first_page_offset[i], first_page_offset[i] + seq_len_i)`` kept.
 
-    ``cache`` is ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD),
-    float16, float32, float64 or bfloat16 (a CuPy array is copied to the
-    host); ``table`` a :class:`~cupaged.PageTable`; ``i`` the request index.
+    ``cache`` is ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or,
+    with ``kv_layout="HND"``, ``[num_pages, num_kv_heads, page_size,
+    head_dim]``; float16, float32, float64, bfloat16 or fp8 e4m3 (uint8 bits
+    or ``ml_dtypes.float8_e4m3fn``; a CuPy array is copied to the host);
+    ``table`` a :class:`~cupaged.PageTable`; ``i`` the request index;
+    ``scale`` (keyword-only) ``None``, a float or a ``[num_kv_heads]`` array.
 
     Raises ``ValueError`` (an unsupported dtype, a cache that is not 4-D, or
     whose page size differs from ``table.page_size``), ``IndexError`` (``i``
     outside ``[0, B)``), :class:`~cupaged.errors.PageTableError` (one of
-    request ``i``'s page ids ``>= num_pages``).
+    request ``i``'s page ids ``>= num_pages``),
+    :class:`~cupaged.errors.InvalidArgumentError` (an unknown ``kv_layout``,
+    a non-finite ``scale``), :class:`~cupaged.errors.ShapeError` (a ``scale``
+    that is neither a float nor ``[num_kv_heads]``).
 
     Example: one request of 5 tokens starting at entry 2 of page 0:
 
@@ -125,27 +236,42 @@ def gather_kv(cache: Any, table: Any, i: int) -> np.ndarray:
         ...
     IndexError: request 1 out of range for batch size 1
     """
-    c = _host(cache, "cache")
+    layout = _check_layout(kv_layout)
+    c = _nhd(_host(cache, "cache", fp8=True), "cache", layout)
     _check_cache(c, "cache", table)
+    s = _check_scale(scale, "scale", c.shape[2])
     i = int(i)
     if not 0 <= i < int(table.batch_size):
         raise IndexError(f"request {i} out of range for batch size "
                          f"{int(table.batch_size)}")
-    return _gather(c, table, i).astype(np.float64)
+    tokens = _f64(_gather(c, table, i), "cache", fp8=True)
+    return tokens if s is None else tokens * s[None, :, None]
 
 
-def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None
+def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None, *,
+           logits_soft_cap: float | None = None, k_scale: Any = None,
+           v_scale: Any = None, kv_layout: str = "NHD"
            ) -> tuple[np.ndarray, np.ndarray]:
     """Dense attention of one request's query over its tokens.
 
-    ``q_row [Hq, D]``, ``k, v [T, Hkv, D]`` -> ``(out [Hq, D], lse [Hq])``
-    float64; query head ``h`` uses KV head ``h // (Hq // Hkv)``; ``lse`` in
-    log2 units.  ``T == 0`` gives zeros and ``-inf``.  ``sm_scale`` defaults to
-    ``1/sqrt(D)``.
+    ``q_row [Hq, D]``, ``k, v [T, Hkv, D]`` (``kv_layout="HND"``:
+    ``[Hkv, T, D]``) -> ``(out [Hq, D], lse [Hq])`` float64; query head ``h``
+    uses KV head ``h // (Hq // Hkv)``; ``lse`` in log2 units.  ``T == 0``
+    gives zeros and ``-inf``.  ``sm_scale`` defaults to ``1/sqrt(D)``.
+
+    ``k`` and ``v`` may be fp8 e4m3 (uint8 bits or float8_e4m3fn), and are
+    multiplied by ``k_scale`` / ``v_scale`` (``None``, a float, or
+    ``[Hkv]``) after the exact float64 dequantization.  With
+    ``logits_soft_cap = c > 0`` the logits are ``c * tanh(sm_scale * q.k /
+    c)``, and the LSE is ``log2(sum exp(logit))`` of the capped logits.
 
     Raises ``ValueError``: an unsupported dtype, ``q_row`` not 2-D or ``k``,
     ``v`` not 3-D, ``k`` and ``v`` of different shapes, head_dims that
-    differ, or ``Hq`` not a multiple of ``Hkv``.
+    differ, or ``Hq`` not a multiple of ``Hkv``;
+    :class:`~cupaged.errors.InvalidArgumentError` (a ``ValueError``): an
+    unknown ``kv_layout``, a negative or non-finite ``logits_soft_cap``, a
+    non-finite scale; :class:`~cupaged.errors.ShapeError`: a scale that is
+    neither a float nor ``[Hkv]``.
 
     Example:
 
@@ -164,14 +290,26 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None
     Traceback (most recent call last):
         ...
     ValueError: num_qo_heads (3) must be divisible by num_kv_heads (2)
+
+    A soft cap of 5 bounds every logit to (-5, 5):
+
+    >>> big = 100 * q_row
+    >>> _, lse_capped = reference.attend(big, k, v, logits_soft_cap=5.0)
+    >>> bool((lse_capped / reference.LOG2E <= 5 + np.log(10)).all())  # <= max logit + ln T
+    True
     """
+    layout = _check_layout(kv_layout)
+    cap = _check_cap(logits_soft_cap)
     q = _f64(q_row, "q_row")
-    kk = _f64(k, "k")
-    vv = _f64(v, "v")
+    kk = _f64(k, "k", fp8=True)
+    vv = _f64(v, "v", fp8=True)
     if q.ndim != 2 or kk.ndim != 3 or vv.ndim != 3:
+        dims = "[T, Hkv, D]" if layout == "NHD" else "[Hkv, T, D]"
         raise ValueError(
-            f"attend expects q_row [Hq, D], k/v [T, Hkv, D]; got "
+            f"attend expects q_row [Hq, D], k/v {dims}; got "
             f"{q.shape}, {kk.shape}, {vv.shape}")
+    if layout == "HND":
+        kk, vv = kk.transpose(1, 0, 2), vv.transpose(1, 0, 2)
     if kk.shape != vv.shape:
         raise ValueError(f"k shape {kk.shape} != v shape {vv.shape}")
     hq, d = q.shape
@@ -182,16 +320,26 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None
         raise ValueError(
             f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    ks = _check_scale(k_scale, "k_scale", hkv)
+    vs = _check_scale(v_scale, "v_scale", hkv)
     if t == 0:
         return np.zeros((hq, d)), np.full(hq, -np.inf)
+    if ks is not None:
+        kk = kk * ks[None, :, None]
+    if vs is not None:
+        vv = vv * vs[None, :, None]
     g = hq // hkv
     # [Hkv, g, D] @ [Hkv, D, T]: query head h = kv * g + j uses kv head kv;
     # batched matmuls (BLAS) instead of repeating K/V per query head.
     qg = q.reshape(hkv, g, d)
     kt = kk.transpose(1, 2, 0)  # [Hkv, D, T] views: matmul handles the strides
     vt = vv.transpose(1, 0, 2)  # [Hkv, T, D]
-    # base-2 scores: log2(e) folded into the scale, like the kernels
-    s = np.matmul(qg, kt).reshape(hq, t) * (scale * LOG2E)  # [Hq, T]
+    if cap is None:
+        # base-2 scores: log2(e) folded into the scale, like the kernels
+        s = np.matmul(qg, kt).reshape(hq, t) * (scale * LOG2E)  # [Hq, T]
+    else:  # cap the natural-units logits, then go to base 2
+        s = cap * np.tanh(np.matmul(qg, kt).reshape(hq, t) * (scale / cap))
+        s *= LOG2E
     m = s.max(axis=1, keepdims=True)
     p = np.exp2(s - m)
     denom = p.sum(axis=1)
@@ -223,19 +371,33 @@ def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 
 
 def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
-           sm_scale: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+           sm_scale: float | None = None, *,
+           logits_soft_cap: float | None = None, k_scale: Any = None,
+           v_scale: Any = None, kv_layout: str = "NHD"
+           ) -> tuple[np.ndarray, np.ndarray]:
     """Paged decode: ``q [B, Hq, D]`` against the visible tokens of each
     request -> ``(out [B, Hq, D] float64, lse [B, Hq] float64, log2 units)``.
 
-    ``k_cache``, ``v_cache`` are ``[num_pages, page_size, Hkv, D]`` (NHD);
-    inputs may be float16, float32, float64 or bfloat16 (CuPy arrays are
-    copied to the host). A zero-length request gives zeros and ``-inf``.
-    ``sm_scale`` defaults to ``1/sqrt(D)``.
+    ``k_cache``, ``v_cache`` are ``[num_pages, page_size, Hkv, D]`` (NHD) or,
+    with ``kv_layout="HND"``, ``[num_pages, Hkv, page_size, D]``; inputs may
+    be float16, float32, float64 or bfloat16, and the caches also fp8 e4m3
+    (uint8 bits or ``ml_dtypes.float8_e4m3fn``, dequantized exactly); CuPy
+    arrays are copied to the host. A zero-length request gives zeros and
+    ``-inf``. ``sm_scale`` defaults to ``1/sqrt(D)``.
+
+    Keyword-only: ``k_scale`` / ``v_scale`` (``None`` = 1, a float per
+    tensor, or a ``[Hkv]`` array per KV head) multiply the dequantized caches;
+    ``logits_soft_cap`` (``None``/``0`` off, ``c > 0``: logit ``= c *
+    tanh(sm_scale * q.k / c)``; the LSE is of the capped logits).
 
     Raises ``ValueError`` (an unsupported dtype; caches not 4-D, of different
     shapes, or whose page size differs from the table's; ``q`` not 3-D or
-    whose batch or head_dim differs; ``Hq`` not a multiple of ``Hkv``) and
-    :class:`~cupaged.errors.PageTableError` (a page id ``>= num_pages``).
+    whose batch or head_dim differs; ``Hq`` not a multiple of ``Hkv``),
+    :class:`~cupaged.errors.PageTableError` (a page id ``>= num_pages``),
+    :class:`~cupaged.errors.InvalidArgumentError` (an unknown ``kv_layout``,
+    a negative or non-finite ``logits_soft_cap``, a non-finite scale) and
+    :class:`~cupaged.errors.ShapeError` (a scale neither a float nor
+    ``[Hkv]``).
 
     Example:
 
@@ -256,18 +418,47 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
     Traceback (most recent call last):
         ...
     cupaged.errors.PageTableError: request 2: page id 3 at indices[3] is out of range for a cache of num_pages=3
+
+    The same caches as fp8 with per-head scales, in the HND layout:
+
+    >>> from cupaged import fp8
+    >>> k_scale = np.abs(k).max(axis=(0, 1, 3)).astype(np.float32) / fp8.E4M3_MAX  # [Hkv]
+    >>> k8 = fp8.to_e4m3(k, k_scale, head_axis=2)  # uint8 bits [pages, P, Hkv, D]
+    >>> hnd = (0, 2, 1, 3)                             # -> [pages, Hkv, P, D]
+    >>> out8, _ = reference.decode(q, k8.transpose(hnd), v.transpose(hnd), table, k_scale=k_scale, kv_layout="HND")
+    >>> deq, _ = reference.decode(q, fp8.from_e4m3(k8, k_scale, head_axis=2), v, table)
+    >>> bool(np.allclose(out8, deq, rtol=0, atol=1e-6)), bool(np.abs(out8 - out).max() < 0.1)
+    (True, True)
+    >>> reference.decode(q, k, v, table, kv_layout="NDH")
+    Traceback (most recent call last):
+        ...
+    cupaged.errors.InvalidArgumentError: kv_layout must be one of 'NHD', 'HND' (NHD = [num_pages, page_size, num_kv_heads, head_dim], HND = [num_pages, num_kv_heads, page_size, head_dim]), got 'NDH'
     """
-    qh = _host(q, "q")
-    k = _host(k_cache, "k_cache")
-    v = _host(v_cache, "v_cache")
-    _check_inputs(qh, k, v, table)
+    qh, k, v, cap, ks, vs = _prepare(q, k_cache, v_cache, table, kv_layout,
+                                     logits_soft_cap, k_scale, v_scale)
     b, hq, d = qh.shape
     out = np.zeros((b, hq, d))
     lse = np.full((b, hq), -np.inf)
     for i in range(b):
         out[i], lse[i] = attend(qh[i], _gather(k, table, i),
-                                _gather(v, table, i), sm_scale)
+                                _gather(v, table, i), sm_scale,
+                                logits_soft_cap=cap, k_scale=ks, v_scale=vs)
     return out, lse
+
+
+def _prepare(q: Any, k_cache: Any, v_cache: Any, table: Any, kv_layout: Any,
+             logits_soft_cap: Any, k_scale: Any, v_scale: Any):
+    """Checked host ``q``, the caches as NHD views, the cap (None = off) and
+    the scales as float64 ``[Hkv]`` (None = 1)."""
+    layout = _check_layout(kv_layout)
+    cap = _check_cap(logits_soft_cap)
+    qh = _host(q, "q")
+    k = _nhd(_host(k_cache, "k_cache", fp8=True), "k_cache", layout)
+    v = _nhd(_host(v_cache, "v_cache", fp8=True), "v_cache", layout)
+    _check_inputs(qh, k, v, table)
+    ks = _check_scale(k_scale, "k_scale", k.shape[2])
+    vs = _check_scale(v_scale, "v_scale", k.shape[2])
+    return qh, k, v, cap, ks, vs
 
 
 def merge_states(v: Any, lse: Any, o_indptr: Any
@@ -346,10 +537,14 @@ def merge_states(v: Any, lse: Any, o_indptr: Any
 
 
 def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
-                 sm_scale: float | None = None
+                 sm_scale: float | None = None, *,
+                 logits_soft_cap: float | None = None, k_scale: Any = None,
+                 v_scale: Any = None, kv_layout: str = "NHD"
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Emulate the split-KV kernels: per chunk of ``plan`` a normalized partial
     output and its log2 LSE, then :func:`merge_states` over ``plan.o_indptr``.
+    The keyword-only ``logits_soft_cap``, ``k_scale``, ``v_scale`` and
+    ``kv_layout`` (fp8 caches included) are those of :func:`decode`.
 
     Returns ``(out [B, Hq, D], lse [B, Hq], partial_v [N, Hq, D],
     partial_lse [N, Hq])`` float64 with ``N = plan.num_chunks``.  A chunk with
@@ -357,7 +552,8 @@ def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
     :class:`~cupaged.DecodePlan` from :func:`~cupaged.plan_decode`; its dtype
     is not checked.
 
-    Raises what :func:`decode` raises for the tensors (``ValueError``,
+    Raises what :func:`decode` raises for the tensors and the keyword
+    arguments (``ValueError`` and its subclasses,
     :class:`~cupaged.errors.PageTableError`), then
     :class:`~cupaged.errors.PlanMismatchError` when ``plan.matches(table)``
     is false or the plan is for other ``(Hq, Hkv, D)``.
@@ -384,10 +580,8 @@ def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
         ...
     cupaged.errors.PlanMismatchError: plan does not match the page table (batch size, page size or a request's chunk count changed)
     """
-    qh = _host(q, "q")
-    k = _host(k_cache, "k_cache")
-    v = _host(v_cache, "v_cache")
-    _check_inputs(qh, k, v, table)
+    qh, k, v, cap, ks, vs = _prepare(q, k_cache, v_cache, table, kv_layout,
+                                     logits_soft_cap, k_scale, v_scale)
     b, hq, d = qh.shape
     if not plan.matches(table):
         raise PlanMismatchError(
@@ -410,6 +604,7 @@ def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
         if i != cache_req:
             kt, vt, cache_req = _gather(k, table, i), _gather(v, table, i), i
         s, e = int(start[c]), int(end[c])
-        pv[c], pl[c] = attend(qh[i], kt[s:e], vt[s:e], sm_scale)
+        pv[c], pl[c] = attend(qh[i], kt[s:e], vt[s:e], sm_scale,
+                              logits_soft_cap=cap, k_scale=ks, v_scale=vs)
     out, lse = merge_states(pv, pl, plan.o_indptr)
     return out, lse, pv, pl

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
-# steps: tests sanitize host tune bench issue5 full profile soak notebook (default: tests sanitize bench)
+# steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
+# (default: tests sanitize bench)
 # (carry .peer for bench/issue5 and .nbpeer for notebook; keep one call under 10 minutes)
 set -uo pipefail
 out=$1; shift
@@ -11,7 +12,7 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 peer=""; [ -f .peer/activate.sh ] && peer="source .peer/activate.sh;"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" bash -c "$*" > "$work/$name.log" 2>&1; echo "=== $name exit $?"; tail -n 12 "$work/$name.log"; }
 for s in $steps; do case $s in
-  tests) run pytest 150 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests" ;;
+  tests) run pytest 330 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests" ;;
   sanitize)
     # a representative subset per kernel: partial (MMA and SIMT cores, single chunk and fused
     # merge, page sizes 1-256, graph replay), v1, gather, the standalone merge
@@ -19,12 +20,19 @@ for s in $steps; do case $s in
     run memcheck 170 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k '$sel'"
     run racecheck 120 "compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'v2_matches_reference or both_cores_match_reference and 128 or merge_closed or baselines_match_reference and v1'"
     run initcheck 120 "compute-sanitizer --tool initcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'v2_matches_reference or both_cores_match_reference and 128 or empty_requests or merge_closed or baselines_match_reference and v1'" ;;
+  sanitize6)
+    # issue-6 kernels: fp8/head_dim-96/soft-cap/HND partial instances, append_kv, cascade's merges
+    run memcheck6 200 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_features_gpu.py tests/test_append.py tests/test_cascade.py -x"
+    run racecheck6 120 "compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_features_gpu.py -k 'fp8 or head_dim_96' -x" ;;
   host) run host_profile 90 "python3 scripts/host_profile.py" ;;
   tune) run autotune 200 "python3 scripts/autotune.py --no-store --csv $work/autotune.csv" ;;
   bench) run microbench 330 "$peer python3 scripts/microbench.py --out-dir $work/bench" ;;
   issue5) run microbench_issue5 415 "$peer python3 scripts/microbench.py --suite issue5 --out-dir $work/issue5 ${CUPAGED_COMMIT:+--commit $CUPAGED_COMMIT}"; sed -n '/^SUMMARY/,/host us/p' "$work/microbench_issue5.log" ;;
   full) run correctness_full 400 "python3 scripts/correctness.py --full --csv $work/correctness_full.csv"
         run correctness_merge 200 "python3 scripts/correctness.py --force-merge --csv $work/correctness_merge.csv" ;;
+  features) run correctness_features 300 "python3 scripts/correctness.py --features --csv $work/correctness_features.csv" ;;
+  cascade) run cascade_bench 200 "$peer python3 scripts/cascade_bench.py --out-dir $work/cascade" ;;
+  fp8) run microbench_fp8 250 "$peer python3 scripts/microbench.py --kv-dtype fp8 --out-dir $work/fp8" ;;
   soak) run soak 140 "python3 scripts/soak.py --backend gpu --json $work/soak.json" ;;
   notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240" ;;
   profile) run ncu 150 "ncu --clock-control none -k regex:paged_decode_partial --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats python3 scripts/microbench.py --batch 8 --ctx 32768 --methods v2 --reps 1 --iters 4 --host-iters 1 --out-dir $work/prof" ;;

@@ -63,3 +63,52 @@ def rel_errors(out, ref):
 
 def tolerance(dtype) -> float:
     return 1e-5 if np.dtype(dtype) == np.float32 else 2e-2
+
+
+# ------------------------------------------------------- serving features (issue 6)
+
+#: Per-head magnitudes of the real K/V values of a per-head-scaled fp8 cache
+#: (cycled over the KV heads): a kernel that used one head's scale for another
+#: is off by up to 8x.
+HEAD_MAGNITUDES = (0.5, 1.0, 2.0, 4.0)
+#: e4m3fn NaN bits: the sentinel in every slot no request can see.
+E4M3_NAN = 0x7F
+
+
+def to_hnd(cache):
+    """An NHD cache [num_pages, P, Hkv, D] as a contiguous HND copy [num_pages, Hkv, P, D]."""
+    return np.ascontiguousarray(np.asarray(cache).transpose(0, 2, 1, 3))
+
+
+def make_fp8_caches(rng, table, num_pages, num_kv_heads, head_dim, scale_mode="none"):
+    """Host fp8 K and V: uint8 e4m3 bits [num_pages, P, Hkv, D] (NHD) of random
+    real values, :data:`E4M3_NAN` where no request can see, and their scales.
+
+    ``scale_mode``: ``"none"`` (real values N(0, 1), scales None),
+    ``"tensor"`` (3 * N(0, 1); scale = max|real| / 448, a float) or
+    ``"head"`` (N(0, 1) * HEAD_MAGNITUDES[h % 4]; float32 ``[Hkv]`` scales
+    = per-head max|real| / 448), the max over the visible slots. Returns ``(k_bits, v_bits, k_scale,
+    v_scale)``; the real K is ``from_e4m3(k_bits) * k_scale``.
+    """
+    from cupaged import fp8
+
+    shape = (num_pages, table.page_size, num_kv_heads, head_dim)
+    mask = visible_mask(table, num_pages)[:, :, None, None]
+    out = []
+    for _ in range(2):
+        real = np.where(mask, rng.standard_normal(shape, dtype=np.float32), np.float32(0))  # scales: visible max
+        if scale_mode == "head":
+            real *= np.resize(np.array(HEAD_MAGNITUDES, np.float32), num_kv_heads)[None, None, :, None]
+            scale = (np.abs(real).max(axis=(0, 1, 3)) / fp8.E4M3_MAX).astype(np.float32)
+            bits = fp8.to_e4m3(real, scale, head_axis=2)
+        elif scale_mode == "tensor":
+            real *= 3
+            scale = float(np.abs(real).max()) / fp8.E4M3_MAX
+            bits = fp8.to_e4m3(real, scale)
+        elif scale_mode == "none":
+            scale, bits = None, fp8.to_e4m3(real)
+        else:
+            raise ValueError(f"scale_mode must be none, tensor or head, got {scale_mode!r}")
+        out.append((np.where(mask, bits, np.uint8(E4M3_NAN)).astype(np.uint8), scale))
+    (k, ks), (v, vs) = out
+    return k, v, ks, vs

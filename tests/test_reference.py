@@ -8,7 +8,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cupaged.errors import PlanMismatchError
+from cupaged.errors import (
+    DTypeError,
+    InvalidArgumentError,
+    PlanMismatchError,
+    ShapeError,
+)
 from cupaged.page_table import PageTable
 from cupaged.plan import plan_decode
 from cupaged.reference import (
@@ -414,3 +419,234 @@ def test_input_validation():
         attend(np.zeros((3, 8)), np.zeros((2, 2, 8)), np.zeros((2, 2, 8)), 1.0)
     out, lse = attend(np.zeros((4, 8)), np.zeros((0, 2, 8)), np.zeros((0, 2, 8)))
     assert (out == 0).all() and np.isneginf(lse).all()
+
+
+# --------------------------------------------------------------------------
+# serving features: soft cap, HND layout, fp8 caches, k/v scales (issue 6)
+# --------------------------------------------------------------------------
+def e4m3_by_hand(bits):
+    """float64 value of e4m3fn bit patterns, from the format (not ml_dtypes):
+    sign, 4 exponent bits (bias 7), 3 mantissa bits, S.1111.111 is NaN."""
+    out = []
+    for b in np.asarray(bits, dtype=np.uint8).ravel().tolist():
+        sign = -1.0 if b & 0x80 else 1.0
+        e, m = (b >> 3) & 0xF, b & 0x7
+        if e == 15 and m == 7:
+            out.append(np.nan)
+        elif e == 0:
+            out.append(sign * m * 2.0 ** -9)
+        else:
+            out.append(sign * (1 + m / 8) * 2.0 ** (e - 7))
+    return np.array(out).reshape(np.shape(bits))
+
+
+def capped_attention(q_row, k_tok, v_tok, scale, cap):
+    """Per head and token: logit = cap * tanh(scale * q.k / cap); natural
+    softmax; LSE converted to log2 at the end."""
+    hq, d = q_row.shape
+    g = hq // k_tok.shape[1]
+    out = np.zeros((hq, d))
+    lse2 = np.zeros(hq)
+    for h in range(hq):
+        logits = np.array([cap * math.tanh(scale * float(q_row[h] @ k_tok[j, h // g]) / cap)
+                           for j in range(k_tok.shape[0])])
+        w = np.exp(logits)
+        out[h] = (w[:, None] * v_tok[:, h // g]).sum(axis=0) / w.sum()
+        lse2[h] = math.log(w.sum()) / math.log(2.0)
+    return out, lse2
+
+
+def to_hnd(cache):
+    return np.ascontiguousarray(np.asarray(cache).transpose(0, 2, 1, 3))
+
+
+def test_soft_cap_matches_direct_formula():
+    rng = np.random.default_rng(20)
+    q = rng.standard_normal((4, 8)) * 3
+    k = rng.standard_normal((6, 2, 8)) * 3
+    v = rng.standard_normal((6, 2, 8))
+    for cap in (0.5, 5.0, 30.0):
+        out, lse = attend(q, k, v, 0.7, logits_soft_cap=cap)
+        want_out, want_lse = capped_attention(q, k, v, 0.7, cap)
+        np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    # the cap bites: logits of |s| ~ 10 under a cap of 5 change the result
+    plain, plain_lse = attend(q, k, v, 0.7)
+    capped, capped_lse = attend(q, k, v, 0.7, logits_soft_cap=5.0)
+    assert np.abs(plain - capped).max() > 0.1 and np.abs(plain_lse - capped_lse).max() > 1
+    # None and 0 are off; a huge cap is (numerically) off too
+    for off in (None, 0, 0.0):
+        o, l_ = attend(q, k, v, 0.7, logits_soft_cap=off)
+        np.testing.assert_array_equal(o, plain)
+        np.testing.assert_array_equal(l_, plain_lse)
+    o, _ = attend(q, k, v, 0.7, logits_soft_cap=1e9)
+    np.testing.assert_allclose(o, plain, rtol=1e-9, atol=1e-12)
+
+
+def test_soft_cap_through_decode_and_split():
+    rng = np.random.default_rng(21)
+    s = Scenario(rng, [30, 0, 9, 1], 4, [1, 0, 3, 2], hq=6, hkv=2, d=8)
+    s.q *= 6  # logits large enough for the cap to matter
+    cap, scale = 4.0, 0.5
+    out, lse = decode(s.q, s.k_cache, s.v_cache, s.table, scale, logits_soft_cap=cap)
+    assert not np.isnan(out).any()
+    for i in range(4):
+        if s.table.seq_lens[i] == 0:
+            assert (out[i] == 0).all() and np.isneginf(lse[i]).all()
+            continue
+        wo, wl = capped_attention(s.q[i], s.k_tok[i], s.v_tok[i], scale, cap)
+        np.testing.assert_allclose(out[i], wo, rtol=1e-11, atol=1e-12)
+        np.testing.assert_allclose(lse[i], wl, rtol=1e-11, atol=1e-12)
+    plan = plan_decode(s.table, 6, 2, 8, "float32", pages_per_chunk=1)
+    o2, l2, _, _ = decode_split(s.q, s.k_cache, s.v_cache, s.table, plan, scale, logits_soft_cap=cap)
+    np.testing.assert_allclose(o2, out, rtol=1e-12, atol=1e-12)
+    fin = np.isfinite(lse)
+    np.testing.assert_allclose(l2[fin], lse[fin], rtol=1e-12)
+    uncapped, _ = decode(s.q, s.k_cache, s.v_cache, s.table, scale)
+    assert np.abs(uncapped - out).max() > 0.05
+
+
+def test_hnd_equals_nhd_transposed():
+    rng = np.random.default_rng(22)
+    for _ in range(10):
+        s = random_scenario(rng)
+        kh, vh = to_hnd(s.k_cache), to_hnd(s.v_cache)
+        out, lse = decode(s.q, s.k_cache, s.v_cache, s.table, logits_soft_cap=3.0)
+        o_h, l_h = decode(s.q, kh, vh, s.table, logits_soft_cap=3.0, kv_layout="HND")
+        np.testing.assert_array_equal(o_h, out)
+        np.testing.assert_array_equal(l_h, lse)
+        assert not np.isnan(o_h).any()  # the NaN poison is still never read
+        for i in range(s.table.batch_size):
+            np.testing.assert_array_equal(gather_kv(kh, s.table, i, kv_layout="HND"), s.k_tok[i])
+        hq, hkv = s.q.shape[1], s.k_cache.shape[2]
+        plan = plan_decode(s.table, hq, hkv, 8, "float32", pages_per_chunk=2)
+        o2, _, pv, _ = decode_split(s.q, kh, vh, s.table, plan, kv_layout="HND")
+        o3, _, pv3, _ = decode_split(s.q, s.k_cache, s.v_cache, s.table, plan)
+        np.testing.assert_array_equal(o2, o3)
+        np.testing.assert_array_equal(pv, pv3)
+    # attend: HND tokens are [Hkv, T, D]
+    k_tok, v_tok = s.k_tok[0], s.v_tok[0]
+    a = attend(s.q[0], k_tok, v_tok)
+    b = attend(s.q[0], k_tok.transpose(1, 0, 2), v_tok.transpose(1, 0, 2), kv_layout="HND")
+    np.testing.assert_array_equal(a[0], b[0])
+    # an HND cache read as NHD is a different (wrongly shaped) cache
+    s = Scenario(rng, [10], 4, hq=4, hkv=2, d=8)
+    with pytest.raises(ValueError, match="page size"):
+        decode(s.q, to_hnd(s.k_cache), to_hnd(s.v_cache), s.table)
+
+
+def test_fp8_cache_dequantized_exactly():
+    rng = np.random.default_rng(23)
+    s = Scenario(rng, [23, 0, 8, 40], 8, [3, 0, 0, 7], hq=4, hkv=2, d=16)
+    from cupaged import fp8
+    vis = ~np.isnan(s.k_cache)
+    kbits = np.where(vis, fp8.to_e4m3(np.nan_to_num(s.k_cache) * 20), np.uint8(0x7F)).astype(np.uint8)
+    vbits = np.where(vis, fp8.to_e4m3(np.nan_to_num(s.v_cache) * 20), np.uint8(0x7F)).astype(np.uint8)
+    # the same values by hand, as float64 (NaN where invisible)
+    kman, vman = e4m3_by_hand(kbits), e4m3_by_hand(vbits)
+    assert np.isnan(kman[~vis]).all() and np.isfinite(kman[vis]).all()
+    assert len(np.unique(kbits[vis])) > 100  # many distinct codes exercised
+    want_out, want_lse = decode(s.q, kman, vman, s.table)
+    for kk, vv in ((kbits, vbits), (kbits.view(ml_dtypes.float8_e4m3fn), vbits.view(ml_dtypes.float8_e4m3fn))):
+        out, lse = decode(s.q, kk, vv, s.table)
+        np.testing.assert_array_equal(out, want_out)
+        np.testing.assert_array_equal(lse, want_lse)
+        assert np.isfinite(out).all()  # NaN sentinels in invisible slots never read
+        for i in range(4):
+            np.testing.assert_array_equal(gather_kv(kk, s.table, i), gather_kv(kman, s.table, i))
+    # fp8 in the HND layout and through decode_split
+    out_h, _ = decode(s.q, to_hnd(kbits), to_hnd(vbits), s.table, kv_layout="HND")
+    np.testing.assert_array_equal(out_h, want_out)
+    plan = plan_decode(s.table, 4, 2, 16, "float16", pages_per_chunk=1)
+    o2, _, _, _ = decode_split(s.q, kbits, vbits, s.table, plan)
+    np.testing.assert_allclose(o2, want_out, rtol=1e-12, atol=1e-12)
+    # attend reads fp8 token arrays too (every finite code, both signs)
+    codes = np.concatenate([np.arange(0x7F), np.arange(0x80, 0xFF)]).astype(np.uint8)
+    k_tok = rng.permutation(np.resize(codes, 9 * 2 * 16)).reshape(9, 2, 16).astype(np.uint8)
+    v_tok = rng.permutation(np.resize(codes, 9 * 2 * 16)).reshape(9, 2, 16).astype(np.uint8)
+    got = attend(s.q[0] / 64, k_tok, v_tok)
+    want = attend(s.q[0] / 64, e4m3_by_hand(k_tok), e4m3_by_hand(v_tok))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+    assert gather_kv(kbits, s.table, 0).dtype == np.float64
+
+
+def test_per_head_scale_equals_prescaled_cache():
+    rng = np.random.default_rng(24)
+    s = Scenario(rng, [19, 33, 0], 4, [2, 0, 0], hq=6, hkv=3, d=8)
+    ks = np.array([0.5, 2.0, 3.0], np.float32)
+    vs = np.array([4.0, 0.25, 1.5], np.float32)
+    pre_k = s.k_cache * ks[None, None, :, None].astype(np.float64)
+    pre_v = s.v_cache * vs[None, None, :, None].astype(np.float64)
+    want_out, want_lse = decode(s.q, pre_k, pre_v, s.table)
+    out, lse = decode(s.q, s.k_cache, s.v_cache, s.table, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(out, want_out, rtol=1e-13, atol=1e-13)
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], rtol=1e-13)
+    # HND and decode_split agree; per-tensor scales broadcast to every head
+    out_h, _ = decode(s.q, to_hnd(s.k_cache), to_hnd(s.v_cache), s.table, k_scale=ks, v_scale=vs,
+                      kv_layout="HND")
+    np.testing.assert_array_equal(out_h, out)
+    plan = plan_decode(s.table, 6, 3, 8, "float32", pages_per_chunk=3)
+    o2, _, _, _ = decode_split(s.q, s.k_cache, s.v_cache, s.table, plan, k_scale=ks, v_scale=vs)
+    np.testing.assert_allclose(o2, out, rtol=1e-12, atol=1e-12)
+    t_out, _ = decode(s.q, s.k_cache, s.v_cache, s.table, k_scale=0.5, v_scale=np.float32(3.0))
+    w_out, _ = decode(s.q, s.k_cache * 0.5, s.v_cache * 3.0, s.table)
+    np.testing.assert_allclose(t_out, w_out, rtol=1e-13, atol=1e-13)
+    np.testing.assert_array_equal(gather_kv(s.k_cache, s.table, 1, scale=ks), s.k_tok[1] * ks[None, :, None])
+    # scales and fp8 together: the per-head scale multiplies the exact dequantized value
+    from cupaged import fp8
+    vis = ~np.isnan(s.k_cache)
+    kbits = np.where(vis, fp8.to_e4m3(np.nan_to_num(s.k_cache), ks, head_axis=2), np.uint8(0x7F))
+    out8, _ = decode(s.q, kbits.astype(np.uint8), s.v_cache, s.table, k_scale=ks)
+    want8, _ = decode(s.q, e4m3_by_hand(kbits) * ks[None, None, :, None].astype(np.float64), s.v_cache, s.table)
+    np.testing.assert_allclose(out8, want8, rtol=1e-13, atol=1e-13)
+    # a per-head scale that is wrong for one head changes only that head's queries
+    ks_bad = ks.copy()
+    ks_bad[1] *= 4
+    o_bad, _ = decode(s.q, s.k_cache, s.v_cache, s.table, k_scale=ks_bad, v_scale=vs)
+    diff = np.abs(o_bad - out).max(axis=(0, 2))  # per query head (g = 2)
+    assert (diff[[0, 1, 4, 5]] == 0).all() and (diff[[2, 3]] > 1e-3).all()
+
+
+def test_feature_argument_validation():
+    rng = np.random.default_rng(25)
+    s = Scenario(rng, [10], 4, hq=4, hkv=2, d=8)
+    args = (s.q, s.k_cache, s.v_cache, s.table)
+    plan = plan_decode(s.table, 4, 2, 8, "float32")
+    for bad in ("XYZ", "nhd", None, 0):
+        with pytest.raises(InvalidArgumentError, match="kv_layout must be one of 'NHD', 'HND'"):
+            decode(*args, kv_layout=bad)
+        with pytest.raises(InvalidArgumentError, match="kv_layout"):
+            decode_split(*args, plan, kv_layout=bad)
+    for bad in (-1.0, np.inf, np.nan, -np.inf):
+        with pytest.raises(InvalidArgumentError, match="logits_soft_cap"):
+            decode(*args, logits_soft_cap=bad)
+        with pytest.raises(InvalidArgumentError, match="logits_soft_cap"):
+            attend(s.q[0], s.k_tok[0], s.v_tok[0], logits_soft_cap=bad)
+    for bad in ("30", True, [30.0]):
+        with pytest.raises(InvalidArgumentError, match="logits_soft_cap"):
+            decode(*args, logits_soft_cap=bad)
+    for bad in (np.ones(3), np.ones(4), np.ones((2, 1)), np.ones((1, 2))):
+        with pytest.raises(ShapeError, match=r"k_scale .*\(2,\)"):
+            decode(*args, k_scale=bad)
+        with pytest.raises(ShapeError, match="v_scale"):
+            decode_split(*args, plan, v_scale=bad)
+    with pytest.raises(InvalidArgumentError, match="k_scale must be finite"):
+        decode(*args, k_scale=np.array([1.0, np.nan]))
+    with pytest.raises(InvalidArgumentError, match="v_scale must be finite"):
+        decode(*args, v_scale=np.inf)
+    with pytest.raises(DTypeError, match="k_scale"):
+        decode(*args, k_scale=np.array(["a", "b"]))
+    with pytest.raises(ShapeError, match="scale"):
+        gather_kv(s.k_cache, s.table, 0, scale=np.ones(5))
+    # q may not be fp8 (only caches are); other integer caches are still refused
+    with pytest.raises(ValueError, match="q must be"):
+        decode(np.zeros(s.q.shape, np.uint8), s.k_cache, s.v_cache, s.table)
+    with pytest.raises(ValueError, match="k_cache .*fp8"):
+        decode(s.q, np.zeros(s.k_cache.shape, np.int8), s.v_cache, s.table)
+    # an HND cache that is not 4-D names the HND dims
+    with pytest.raises(ValueError, match=r"num_kv_heads, page_size"):
+        decode(s.q, s.k_cache[0], s.v_cache[0], s.table, kv_layout="HND")
+    # every new error is a ValueError
+    assert issubclass(InvalidArgumentError, ValueError) and issubclass(ShapeError, ValueError)

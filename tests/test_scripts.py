@@ -9,6 +9,7 @@ import contextlib
 import csv
 import importlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -66,12 +67,15 @@ def test_correctness_default_is_24_configs():
     assert not args.force_merge and args.csv is None and args.seed == 0
 
 
-def test_correctness_full_is_216_configs():
+def test_correctness_full_is_216_configs_plus_the_features():
     cfgs = correctness.configs(correctness.parse_args(["--full"]))
-    assert len(cfgs) == 216
-    assert {c.ctx for c in cfgs} == {512, 4096, 16384, 32768}
-    assert {c.batch for c in cfgs} == {1, 4, 8}
-    assert {c.page_size for c in cfgs} == {16, 32, 64}
+    assert len(cfgs) == 216 + len(correctness.FEATURE_CONFIGS)
+    product, extra = cfgs[:216], cfgs[216:]
+    assert {c.ctx for c in product} == {512, 4096, 16384, 32768}
+    assert {c.batch for c in product} == {1, 4, 8}
+    assert {c.page_size for c in product} == {16, 32, 64}
+    assert all(not c.has_features and c.group == "base" for c in product)  # the 216 as they were
+    assert extra == list(correctness.FEATURE_CONFIGS)
 
 
 @pytest.mark.parametrize(
@@ -82,8 +86,8 @@ def test_correctness_full_is_216_configs():
         (["--ctx", "512,4096,16384"], 36),
         (["--gqa", "4", "--batch", "8"], 4),
         (["--page-size", "16", "64"], 48),
-        (["--full", "--page-size", "16"], 72),
-        (["--full", "--ctx", "32768", "--batch", "8"], 18),
+        (["--full", "--page-size", "16"], 72 + sum(c.page_size == 16 for c in correctness.FEATURE_CONFIGS)),
+        (["--full", "--ctx", "32768", "--batch", "8"], 18),  # no feature configuration at 32768
         (["--dtype", "float16", "bfloat16", "float32"], 72),
         (["--dtype", "bfloat16,float32", "--head-dim", "64", "--gqa", "1"], 8),
     ],
@@ -185,6 +189,284 @@ def test_correctness_summary():
     assert "reference: 2.0 s total" in text
     text, ok = correctness.summarize(rows[:1])
     assert ok
+
+
+# ------------------------------------------------- correctness: serving features
+
+NEW_AXIS_VALUES = {
+    "kv_dtype_name": ["float8_e4m3fn"],
+    "head_dim": [96, 256],
+    "gqa": [3, 5, 6, 7, 16],
+    "page_size": [1, 256],
+    "soft_cap": [30.0, 50.0],
+    "kv_layout": ["HND"],
+    "scale_mode": ["tensor", "head"],
+}
+
+
+def test_feature_configs_cover_every_new_axis():
+    cfgs = correctness.FEATURE_CONFIGS
+    assert 100 <= len(cfgs) <= 140 and len(set(cfgs)) == len(cfgs)
+    assert all(c.group != "base" and c.num_kv_heads == 8 for c in cfgs)
+    for axis, values in NEW_AXIS_VALUES.items():
+        for value in values:
+            sel = [c for c in cfgs if getattr(c, axis) == value]
+            assert len(sel) >= 5, (axis, value, len(sel))
+            assert any(c.ctx <= 512 for c in sel) and any(c.ctx >= 4096 for c in sel), (axis, value)
+    fp8 = [c for c in cfgs if c.is_fp8]
+    assert {c.dtype for c in fp8} == {"float16", "bfloat16"}  # never float32 q
+    assert {(c.dtype, c.scale_mode, c.head_dim) for c in fp8 if c.ctx == 512} == {
+        (dt, mode, d) for dt in ("float16", "bfloat16") for mode in ("none", "tensor", "head") for d in (64, 96, 128, 256)
+    }
+    assert {c.head_dim for c in fp8 if c.ctx == 4096} == {64, 96, 128, 256}
+    assert {c.dtype for c in cfgs if c.head_dim == 96} == {"float16", "bfloat16", "float32"}
+    for value in (1, 256):  # page sizes in every dtype
+        assert {c.dtype for c in cfgs if c.page_size == value} == {"float16", "bfloat16", "float32"}
+    assert all(c.kv_dtype is None for c in cfgs if not c.is_fp8)  # 16/32-bit caches share q's dtype
+    # a custom sm_scale on its own (not only with a soft cap)
+    custom = [c for c in cfgs if c.sm_scale is not None and not c.soft_cap]
+    assert len(custom) >= 10 and {c.ctx for c in custom} >= {512, 4096}
+    # a soft cap comes with a large sm_scale, or the cap would not change the result
+    assert all(c.sm_scale is not None and c.sm_scale * math.sqrt(c.head_dim) >= 4 for c in cfgs if c.soft_cap)
+    # scales on 16/32-bit caches too (the contract allows them for every KV dtype)
+    assert {c.dtype for c in cfgs if c.scale_mode != "none" and not c.is_fp8} == {"float16", "bfloat16", "float32"}
+
+
+def test_soft_cap_and_sm_scale_configs_change_the_reference():
+    """On the sweep's own value distribution (normal q and K), the cap and the
+    custom sm_scale of the feature list move the result by more than three
+    times the tolerance, so a kernel that ignored them would fail the sweep."""
+    from cupaged import reference
+
+    rng = np.random.default_rng(0)
+    seen = set()
+    for c in correctness.FEATURE_CONFIGS:
+        key = (c.head_dim, c.soft_cap, c.sm_scale)
+        if key in seen or (not c.soft_cap and c.sm_scale is None):
+            continue
+        seen.add(key)
+        q = rng.standard_normal((2, 4, c.head_dim))
+        k = rng.standard_normal((512, 2, c.head_dim))
+        v = rng.standard_normal((512, 2, c.head_dim))
+        for i in range(2):
+            base, _ = reference.attend(q[i], k, v, c.sm_scale)
+            plain, _ = reference.attend(q[i], k, v)
+            if c.soft_cap:
+                capped, _ = reference.attend(q[i], k, v, c.sm_scale, logits_soft_cap=c.soft_cap)
+                assert np.abs(capped - base).max() / np.abs(base).max() > 3 * 2e-2, key
+            else:
+                assert np.abs(plain - base).max() / np.abs(base).max() > 3 * 2e-2, key
+    assert len(seen) >= 6
+
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--features"], lambda c: True),
+        (["--features", "--kv-dtype", "float8_e4m3fn"], lambda c: c.is_fp8),
+        (["--features", "--kv-layout", "HND"], lambda c: c.kv_layout == "HND"),
+        (["--features", "--soft-cap", "30,50"], lambda c: c.soft_cap in (30, 50)),
+        (["--features", "--soft-cap", "0"], lambda c: not c.soft_cap),
+        (["--features", "--scale-mode", "head"], lambda c: c.scale_mode == "head"),
+        (["--features", "--head-dim", "96", "--dtype", "float32"], lambda c: c.head_dim == 96 and c.dtype == "float32"),
+        (["--features", "--gqa", "3", "5", "6", "7", "16"], lambda c: c.gqa in (3, 5, 6, 7, 16)),
+        (["--features", "--ctx", "4096"], lambda c: c.ctx == 4096),
+        (["--full", "--kv-dtype", "float8_e4m3fn", "--dtype", "bfloat16"], None),
+    ],
+)
+def test_features_flag_filters_the_list(argv, expect):
+    args = correctness.parse_args(argv)
+    cfgs = correctness.configs(args)
+    if expect is None:  # --full: product axes, then the filtered list
+        product = [c for c in cfgs if c.group == "base"]
+        assert len(product) == 216 and all(c.is_fp8 and c.dtype == "bfloat16" for c in product)
+        assert cfgs[216:] == [c for c in correctness.FEATURE_CONFIGS if c.is_fp8 and c.dtype == "bfloat16"]
+        return
+    want = [c for c in correctness.FEATURE_CONFIGS if expect(c)]
+    assert cfgs == want and len(want) >= 4
+
+
+def test_feature_flags_are_axes_of_the_product_sweep():
+    def n(*argv):
+        return correctness.configs(correctness.parse_args(list(argv)))
+
+    hnd = n("--kv-layout", "HND")
+    assert len(hnd) == 24 and all(c.kv_layout == "HND" and c.has_features for c in hnd)
+    assert len(n("--kv-layout", "NHD,HND", "--soft-cap", "0", "30")) == 4 * 24
+    # fp8 caches only with 16-bit q: the float32 combinations are left out
+    fp8 = n("--kv-dtype", "float8_e4m3fn", "--dtype", "float16", "float32")
+    assert len(fp8) == 24 and all(c.is_fp8 and c.dtype == "float16" for c in fp8)
+    both = n("--kv-dtype", "float16,float8_e4m3fn", "--dtype", "float16,bfloat16,float32")
+    assert len(both) == 3 * 24  # fp16/fp16, fp16/fp8, bf16/fp8
+    assert sum(not c.has_features for c in both) == 24
+    assert n("--kv-dtype", "float8_e4m3fn", "--dtype", "float32") == []
+    scaled = n("--scale-mode", "tensor", "head", "--head-dim", "64")
+    assert len(scaled) == 24 and {c.scale_mode for c in scaled} == {"tensor", "head"}
+    # --num-kv-heads applies to the feature list too
+    assert {c.num_kv_heads for c in n("--features", "--num-kv-heads", "4")} == {4}
+    with pytest.raises(SystemExit):
+        correctness.parse_args(["--full", "--features"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--kv-dtype", "int8"], ["--kv-dtype", "fp8"], ["--kv-layout", "XYZ"], ["--soft-cap", "-1"],
+     ["--soft-cap", "inf"], ["--scale-mode", "row"], ["--dtype", "float8_e4m3fn"]],
+)
+def test_feature_flags_reject_bad_values(argv):
+    with pytest.raises(SystemExit) as e:
+        correctness.parse_args(argv)
+    assert e.value.code == 2
+
+
+def test_config_rows_fit_the_csv(tmp_path):
+    cfg = next(c for c in correctness.FEATURE_CONFIGS if c.is_fp8 and c.kv_layout == "HND" and c.soft_cap)
+    row = dict(cfg.fields(), config=3, method="v2", passed=True, error="", max_rel=1e-3)
+    assert set(row) <= set(correctness.CSV_COLUMNS)
+    assert row["kv_dtype"] == "float8_e4m3fn" and row["num_qo_heads"] == cfg.gqa * 8
+    label = cfg.label()
+    assert "kv=fp8" in label and "HND" in label and f"cap{cfg.soft_cap:g}" in label
+    plain = correctness.Config(64, 4, 16, 512, 1, "bfloat16", 8)
+    assert plain.fields()["kv_dtype"] == "bfloat16" and not plain.has_features
+    assert plain.label() == "bfloat16 D64 g4 P16 ctx512 B1"
+    path = tmp_path / "c.csv"
+    _common.write_csv(path, correctness.CSV_COLUMNS, [row, dict(plain.fields(), config=0, method="v1")])
+    with path.open() as f:
+        got = list(csv.DictReader(f))
+    assert got[0]["kv_layout"] == "HND" and float(got[0]["soft_cap"]) == cfg.soft_cap
+    assert got[0]["scale_mode"] == cfg.scale_mode and got[0]["group"] == "fp8"
+    assert got[1]["sm_scale"] == "" and got[1]["group"] == "base" and got[1]["kv_layout"] == "NHD"
+
+
+# A NumPy stand-in for the few cupy calls correctness.py makes, so that its
+# whole GPU path (batch building, fp8 quantization, scales, the decode keyword
+# arguments, rows and CSV) runs here with cupaged.decode replaced by the
+# reference.
+class _HostArray(np.ndarray):
+    def get(self):
+        return np.array(self)
+
+    @property
+    def data(self):
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.__array_interface__
+
+
+def _host_cupy() -> ModuleType:
+    cupy = ModuleType("cupy")
+
+    def wrap(a):
+        return np.asarray(a).view(_HostArray)
+
+    class RandomState:
+        def __init__(self, seed):
+            self.rng = np.random.default_rng(seed)
+
+        def standard_normal(self, n, dtype=np.float64):
+            return wrap(self.rng.standard_normal(n, dtype=np.float32).astype(dtype))
+
+    pool = SimpleNamespace(free_all_blocks=lambda: None)
+    stream = SimpleNamespace(synchronize=lambda: None)
+    cupy.ndarray = _HostArray
+    cupy.float32, cupy.uint8, cupy.abs = np.float32, np.uint8, np.abs
+    cupy.empty = lambda shape, dtype=np.float64: wrap(np.empty(shape, dtype))
+    cupy.full = lambda shape, value, dtype=np.float64: wrap(np.full(shape, value, dtype))
+    cupy.asarray = lambda a, dtype=None: wrap(np.array(a, dtype=dtype))
+    cupy.random = SimpleNamespace(RandomState=RandomState)
+    cupy.cuda = SimpleNamespace(
+        Device=lambda i=0: SimpleNamespace(synchronize=lambda: None),
+        get_current_stream=lambda: stream,
+        runtime=SimpleNamespace(deviceSynchronize=lambda: None, getDeviceCount=lambda: 1),
+    )
+    cupy.get_default_memory_pool = cupy.get_default_pinned_memory_pool = lambda: pool
+    return cupy
+
+
+@pytest.fixture
+def host_gpu(monkeypatch):
+    """correctness.main on the host: fake cupy, cupaged.decode = the reference
+    (minus the keyword arguments in ``host_gpu.drop``); every call recorded."""
+    if _gpu_present():
+        pytest.skip("this machine has a GPU: the real run covers this")
+    import cupaged
+    from cupaged import reference
+
+    state = SimpleNamespace(calls=[], drop=())
+    monkeypatch.setitem(sys.modules, "cupy", _host_cupy())
+    monkeypatch.setattr(_common, "require_gpu", lambda: None)
+    monkeypatch.setenv("CUPAGED_NUM_SMS", "132")
+
+    def decode(q, k_cache, v_cache, table, plan=None, *, method="auto", out=None, return_lse=False, **kw):
+        state.calls.append(SimpleNamespace(method=method, kw=kw, k=k_cache, plan=plan))
+        kw = {name: value for name, value in kw.items() if name not in state.drop}
+        ref, lse = reference.decode(q.get(), k_cache.get(), v_cache.get(), table, **kw)
+        out[...] = ref.astype(out.dtype)
+        return out, lse.astype(np.float32).view(_HostArray)
+
+    monkeypatch.setattr(cupaged, "decode", decode)
+    return state
+
+
+def test_correctness_features_end_to_end_on_the_host(host_gpu, tmp_path, capsys):
+    path = tmp_path / "features.csv"
+    argv = ["--features", "--ctx", "97,512", "--batch", "1,3", "--methods", "v2,gather", "--csv", str(path)]
+    cfgs = correctness.configs(correctness.parse_args(argv))
+    assert len(cfgs) >= 15 and any(c.is_fp8 for c in cfgs)
+    assert correctness.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"SUMMARY: {2 * len(cfgs)}/{2 * len(cfgs)}" in out and "serving-feature" in out
+    rows = bench_report.read_csv_rows(path)
+    assert len(rows) == 2 * len(cfgs)
+    assert all(r["passed"] in (1, True, "1") for r in rows)
+    # what each configuration handed to cupaged.decode
+    assert len(host_gpu.calls) == 2 * len(cfgs)
+    for cfg, call in zip([c for c in cfgs for _ in range(2)], host_gpu.calls):
+        kw = call.kw
+        assert ("logits_soft_cap" in kw) == bool(cfg.soft_cap)
+        assert kw.get("kv_layout", "NHD") == cfg.kv_layout
+        assert kw.get("sm_scale") == cfg.sm_scale
+        assert call.k.dtype == (np.uint8 if cfg.is_fp8 else _common.resolve_dtype(cfg.dtype))
+        heads_axis = 2 if cfg.kv_layout == "NHD" else 1
+        assert call.k.shape[heads_axis] == cfg.num_kv_heads and call.k.shape[3] == cfg.head_dim
+        assert call.plan.kv_dtype.name == cfg.kv_dtype_name
+        if cfg.scale_mode == "none":
+            assert "k_scale" not in kw and "v_scale" not in kw
+        elif cfg.scale_mode == "tensor":
+            assert isinstance(kw["k_scale"], float) and isinstance(kw["v_scale"], float)
+        else:
+            for name in ("k_scale", "v_scale"):
+                assert kw[name].shape == (cfg.num_kv_heads,) and kw[name].dtype == np.float32
+                assert len(np.unique(kw[name])) > 1  # heads really differ
+        if cfg.is_fp8:  # e4m3 bits that use the range
+            bits = call.k.get()
+            assert not ((bits & 0x7F) == 0x7F).any()  # no NaN code
+            if cfg.scale_mode != "none":
+                assert (bits & 0x7F).max() >= 0x76  # the largest |value| maps near 448
+
+
+@pytest.mark.parametrize(
+    "drop, flags",
+    [
+        (("logits_soft_cap",), ["--soft-cap", "30,50", "--batch", "1,3"]),
+        (("k_scale",), ["--scale-mode", "tensor,head", "--batch", "1,3"]),
+        (("v_scale",), ["--scale-mode", "head", "--batch", "1,3"]),
+        (("sm_scale",), ["--soft-cap", "0", "--page-size", "16", "--head-dim", "128", "--batch", "4"]),
+    ],
+)
+def test_correctness_catches_an_ignored_feature(host_gpu, drop, flags, capsys):
+    """A decode that ignores a feature fails every configuration using it."""
+    argv = ["--features", "--ctx", "97,512", "--methods", "v2", *flags]
+    cfgs = correctness.configs(correctness.parse_args(argv))
+    host_gpu.drop = drop
+    assert correctness.main(argv) == 1
+    out = capsys.readouterr().out
+    uses = [c for c in cfgs if {"logits_soft_cap": c.soft_cap, "k_scale": c.scale_mode != "none",
+                                "v_scale": c.scale_mode != "none", "sm_scale": c.sm_scale is not None}[drop[0]]]
+    assert len(uses) >= 3
+    assert out.count("FAIL ") == len(uses), out
 
 
 # -------------------------------------------------------------- microbench args
@@ -739,6 +1021,8 @@ CORRECTNESS_V1 = (
     "run_s",
     "single_chunk",
 )
+# issue 6 appended the serving-feature columns
+CORRECTNESS_V2 = CORRECTNESS_V1 + ("kv_dtype", "kv_layout", "soft_cap", "scale_mode", "sm_scale", "group")
 MICROBENCH_V1_HEAD = (
     "batch",
     "ctx",
@@ -762,6 +1046,7 @@ MICROBENCH_V1_HEAD = (
 
 def test_csv_schemas_only_append():
     assert correctness.CSV_COLUMNS[: len(CORRECTNESS_V1)] == CORRECTNESS_V1
+    assert correctness.CSV_COLUMNS[: len(CORRECTNESS_V2)] == CORRECTNESS_V2
     cols = microbench.CSV_COLUMNS
     assert cols[: len(MICROBENCH_V1_HEAD)] == MICROBENCH_V1_HEAD
     per_method = tuple(
@@ -978,3 +1263,101 @@ def test_main_exits_3_in_process(capsys):
             module.main(argv)
         assert e.value.code == 3
         assert "no CUDA GPU" in capsys.readouterr().err
+
+
+# ------------------------------------------------------ microbench --kv-dtype fp8
+
+
+def test_fp8_args(tmp_path):
+    args = microbench.parse_args(["--kv-dtype", "fp8", "--out-dir", str(tmp_path)])
+    assert (args.kv_dtype, args.fp8_scale, args.dtype) == ("float8_e4m3fn", microbench.FP8_SCALE, "float16")
+    assert args.methods == ("v2", "flashinfer")
+    assert args.csv == str(tmp_path / "microbench-fp8.csv") and args.md == str(tmp_path / "microbench-fp8.md")
+    assert len(microbench.cells(args)) == 16  # the default sweep
+    args = microbench.parse_args(["--kv-dtype", "float8_e4m3fn", "--dtype", "bfloat16", "--fp8-scale", "0.25",
+                                  "--methods", "v2", "--quick"])
+    assert (args.kv_dtype, args.fp8_scale, args.dtype, args.methods) == ("float8_e4m3fn", 0.25, "bfloat16", ("v2",))
+    assert microbench.parse_args([]).kv_dtype is None  # the other modes are untouched
+    for argv in (["--kv-dtype", "fp8", "--suite", "issue5"], ["--kv-dtype", "fp8", "--dtype", "float32"],
+                 ["--kv-dtype", "fp8", "--methods", "v2,gather"], ["--fp8-scale", "2"],
+                 ["--kv-dtype", "fp8", "--fp8-scale", "0"], ["--kv-dtype", "fp8", "--fp8-scale", "nan"],
+                 ["--kv-dtype", "int8"]):
+        with pytest.raises(SystemExit) as e:
+            microbench.parse_args(argv)
+        assert e.value.code == 2, argv
+
+
+def test_fp8_schema():
+    cols = microbench.FP8_CSV_COLUMNS
+    assert len(set(cols)) == len(cols)
+    assert cols[:7] == MICROBENCH_V1_HEAD[:7]
+    for m in microbench.FP8_METHODS:
+        assert {f"{m}_{f}" for f in microbench.METHOD_FIELDS} <= set(cols)
+    assert {"v2_16bit_over_fp8", "flashinfer_16bit_over_fp8", "v2_fp8_over_flashinfer_fp8"} <= set(cols)
+    assert set(microbench.FP8_MD_COLUMNS) <= set(cols)
+    assert not any("fp8" in c for c in microbench.CSV_COLUMNS)  # a file of its own: the main CSV is untouched
+
+
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_e4m3_lut(dtype):
+    dt = _common.resolve_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    lut = microbench.e4m3_lut(dt, 1.0)
+    assert lut.dtype == np.uint8 and lut.shape == (65536,)
+    # the same table from the ml_dtypes rule (clip to +-448, round to nearest even)
+    assert np.array_equal(lut, microbench.e4m3_lut(dt, 1.0, to_e4m3=microbench._to_e4m3_ml_dtypes))
+    x = np.array([1.0, -2.0, 0.3, 448.0, 1000.0, -1e4, 0.0], dtype=dt)
+    assert lut[x.view(np.uint16)].tolist() == [0x38, 0xC0, 0x2A, 0x7E, 0x7E, 0xFE, 0x00]
+    # a scale divides first: 3 / 0.5 = 6 (0x4c in e4m3)
+    assert microbench.e4m3_lut(dt, 0.5)[np.array([3.0], dt).view(np.uint16)][0] == 0x4C
+
+
+def test_fp8_mode_on_a_fake_gpu(fake_gpu, tmp_path, capsys, monkeypatch):
+    gpu = fake_gpu
+
+    def fp8_caches(caches, dtype, scale):
+        return [tuple(np.empty(a.shape, np.uint8) for a in pair) for pair in caches]
+
+    class FlashInfer:
+        reason, version, available = "", "fake", True
+        torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None), __version__="fake")
+        seen = []
+
+        def runners(self, batch, stream, *, caches=None, kv_dtype=None, k_scale=None, v_scale=None,
+                    prefix="flashinfer"):
+            self.seen.append((prefix, kv_dtype, k_scale, v_scale))
+            k = (caches or batch.caches)[0][0]
+            kv = _kv_of(batch.table, k)
+            out = []
+            for name, rate, fixed in (("cuda_cores", 3.2e6, 4.0), ("tensor_cores", 4.4e6, 5.0)):
+                o = np.ones(batch.q.shape, batch.q.dtype)
+                calls = [(lambda c=kv / rate + fixed: gpu.kernel(c)) for _ in batch.caches]
+                out.append(microbench.Runner(f"{prefix}_{name}", calls, o, contextlib.nullcontext))
+            return out
+
+    monkeypatch.setattr(microbench, "fp8_caches", fp8_caches)
+    monkeypatch.setattr(microbench, "FlashInfer", FlashInfer)
+    argv = ["--kv-dtype", "fp8", "--batch", "1,8", "--ctx", "1024,4096", "--reps", "2", "--iters", "10",
+            "--host-iters", "5", "--fp8-scale", "0.5", "--out-dir", str(tmp_path)]
+    assert microbench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "SUMMARY: 4/4 cells measured, 0 failures" in out
+    assert FlashInfer.seen[:2] == [("flashinfer", None, None, None), ("flashinfer_fp8", "float8_e4m3fn", 0.5, 0.5)]
+    rows = bench_report.read_csv_rows(tmp_path / "microbench-fp8.csv")
+    assert [(r["batch"], r["ctx"]) for r in rows] == [(1, 1024), (1, 4096), (8, 1024), (8, 4096)]
+    for r in rows:
+        assert r["kv_dtype"] == "float8_e4m3fn" and r["fp8_scale"] == 0.5 and r["kv_bytes_fp8"] * 2 == r["kv_bytes"]
+        assert r["total_bytes"] - r["total_bytes_fp8"] == r["kv_bytes_fp8"]
+        assert r["v2_us"] == pytest.approx(r["kv_bytes"] / 3.8e6 + 6.0, rel=1e-6)
+        assert r["v2_fp8_us"] == pytest.approx(r["kv_bytes_fp8"] / 3.8e6 + 6.0, rel=1e-6)
+        assert r["v2_16bit_over_fp8"] == pytest.approx(r["v2_us"] / r["v2_fp8_us"])
+        assert r["v2_16bit_over_fp8"] > 1.0
+        fi8 = min(r["kv_bytes_fp8"] / 3.2e6 + 4.0, r["kv_bytes_fp8"] / 4.4e6 + 5.0)
+        assert r["flashinfer_fp8_us"] == pytest.approx(fi8) and r["flashinfer_fp8_variant"] in ("cuda_cores", "tensor_cores")
+        assert r["flashinfer_16bit_over_fp8"] == pytest.approx(r["flashinfer_us"] / r["flashinfer_fp8_us"])
+        assert r["v2_fp8_over_flashinfer_fp8"] == pytest.approx(fi8 / r["v2_fp8_us"])
+        assert r["v2_fp8_tbps"] == pytest.approx(r["total_bytes_fp8"] / (r["v2_fp8_us"] * 1e-6) / 1e12)
+        assert r["v2_fp8_pages_per_chunk"] == r["v2_pages_per_chunk"]
+        assert r["v2_fp8_max_rel_vs_v2"] == 0.0 and r["v2_fp8_host_us"] is not None
+    md = (tmp_path / "microbench-fp8.md").read_text()
+    assert md.startswith("# cupaged paged-decode microbenchmark: fp8") and "| v2 16/8 |" in md
+    assert not (tmp_path / "microbench.csv").exists()
