@@ -279,10 +279,12 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
         )
     ks, vs, kcs, vcs = k_new.strides, v_new.strides, k_cache.strides, v_cache.strides
     k_ptr, v_ptr, kc_ptr, vc_ptr = _address(k_new), _address(v_new), _address(k_cache), _address(v_cache)
-    if (ks[2] != isz or vs[2] != isz or kcs[3] != csz or vcs[3] != csz
-            or (k_ptr | ks[0] | ks[1] | v_ptr | vs[0] | vs[1]) & 15
+    # (an empty k_new/v_new has all-zero strides in CuPy and is never read)
+    new_bad = k_new.size and (ks[2] != isz or vs[2] != isz or (k_ptr | ks[0] | ks[1] | v_ptr | vs[0] | vs[1]) & 15)
+    if (new_bad or kcs[3] != csz or vcs[3] != csz
             or (kc_ptr | kcs[0] | kcs[1] | kcs[2] | vc_ptr | vcs[0] | vcs[1] | vcs[2]) & 15):
-        _raise_layout(((k_new, k_ptr), (v_new, v_ptr), (k_cache, kc_ptr), (v_cache, vc_ptr)))
+        news = ((k_new, k_ptr), (v_new, v_ptr)) if new_bad else ()
+        _raise_layout((*news, (k_cache, kc_ptr), (v_cache, vc_ptr)))
     if kc_ptr == vc_ptr and kcs == vcs and k_cache.size:
         raise LayoutError("k_cache and v_cache are the same memory: V would overwrite K")
 
@@ -319,7 +321,8 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
 def _raise_layout(arrays) -> None:
     """The LayoutError for the first array whose head_dim is not contiguous
     or whose pointer or strides are not multiples of 16 bytes."""
-    for name, (a, ptr) in zip(("k_new", "v_new", "k_cache", "v_cache"), arrays):
+    names = ("k_new", "v_new", "k_cache", "v_cache")[4 - len(arrays):]
+    for name, (a, ptr) in zip(names, arrays):
         strides = tuple(int(x) for x in a.strides)
         if strides[-1] != a.itemsize:
             raise LayoutError(
