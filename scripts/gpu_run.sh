@@ -22,8 +22,9 @@ for s in $steps; do case $s in
     run initcheck 120 "compute-sanitizer --tool initcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'v2_matches_reference or both_cores_match_reference and 128 or empty_requests or merge_closed or baselines_match_reference and v1'" ;;
   sanitize6)
     # issue-6 kernels: fp8/head_dim-96/soft-cap/HND partial instances, append_kv, cascade's merges
-    run memcheck6 200 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_features_gpu.py tests/test_append.py tests/test_cascade.py -x"
-    run racecheck6 120 "compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_features_gpu.py -k 'fp8 or head_dim_96' -x" ;;
+    sel6="fp8_kv_matches_reference and (128 or 96) or head_dim_96 or page_sizes or gqa_groups_fp8 or soft_cap_every_method or hnd_layout"
+    run memcheck6 220 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_append.py tests/test_features_gpu.py -k 'not features_gpu or $sel6'"
+    run racecheck6 100 "compute-sanitizer --tool racecheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_features_gpu.py -k 'fp8_kv_matches_reference and 128 and head or head_dim_96 and v2'" ;;
   host) run host_profile 90 "python3 scripts/host_profile.py" ;;
   tune) run autotune 200 "python3 scripts/autotune.py --no-store --csv $work/autotune.csv" ;;
   bench) run microbench 330 "$peer python3 scripts/microbench.py --out-dir $work/bench" ;;
