@@ -10,15 +10,15 @@
 // head_dim of Q.K^T and P.V in a few dozen instructions.
 //
 // Mapping: MMA_WARPS warps; each owns 16 consecutive tokens per stage and
-// keeps its own online softmax. The query heads are the M rows of the MMA
-// (rows >= HEADS, and rows 8..15, are zero), tokens are N for S = Q.K^T and
-// K for O += P.V. K/V tiles go global -> shared with cp.async (a ring of
-// STAGES per warp, rows padded by 16 bytes so ldmatrix is conflict-free);
-// K is read with ldmatrix (B operand of S), V with ldmatrix.trans (B of P.V),
-// and P stays in registers (the S accumulator layout is the A layout).
-// P is rounded to the KV dtype for the second MMA (as in FlashAttention); the
-// denominator keeps the f32 P, so the LSE stays f32-accurate and an output
-// can exceed its inputs by ~1 ulp of the KV dtype (fp16 stores saturate it).
+// keeps its own online softmax (mma_token_loop). K/V tiles go global ->
+// shared with cp.async (a ring of STAGES per warp, rows padded by 16 bytes so
+// ldmatrix is conflict-free). Two tile computations share that loop:
+// RowsTile (16-bit KV: query heads as the M rows of S = Q.K^T, rows 8..15
+// zero, P straight from the S accumulators into P.V) and ColsTile (fp8 KV:
+// transposed, S^T = K.Q^T and O^T += V^T.P^T with heads as the N columns).
+// P is rounded to the MMA dtype for the second MMA (as in FlashAttention);
+// the denominator keeps the f32 P, so the LSE stays f32-accurate and an
+// output can exceed its inputs by ~1 ulp (fp16 stores saturate it).
 #pragma once
 #include "attend.cuh"
 
@@ -186,48 +186,22 @@ __device__ __forceinline__ float load_q_fragments(const T* __restrict__ q, bool 
   }
 }
 
-// Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
-// T is the query/output storage type, KV the cache's (T, or e4m3).
-//
-// Both products run transposed, tokens and head dims as the MMA's M rows and
-// the (at most 8) query heads as its N columns, so no accumulator row is
-// wasted on absent heads: S^T = K Q^T (one m16n8k16 per 16 dims of a 16-token
-// tile) and O^T += V^T P^T (one per 16 output dims). P^T comes out of the S^T
-// accumulators in the A/C layout; movmatrix turns it into the B layout.
-template <typename T, typename KV, int HEAD_DIM, int HEADS, typename Emit>
-__device__ __forceinline__ void cta_attend_mma(
-    const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
-    const KV* __restrict__ k_cache, CacheStrides ks,
-    const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
-    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
-    MmaScratch<T, KV, HEAD_DIM, HEADS>& sm, Emit& emit) {
-  static_assert(HEADS <= 8, "query heads are the MMA's 8 N columns");
-  constexpr bool FP8 = IsSame<KV, e4m3>::value;
+// The per-warp token loop both tensor-core tiles share: walks the visible
+// slots in page windows; each warp copies its 16-token tiles of K and V
+// global -> shared with cp.async (STAGES - 1 tiles ahead) and hands each
+// landed tile to tile.step(kt, vt, base, s1) (base: the tile's first slot).
+template <typename KV, int HEAD_DIM, typename Scratch, typename Tile>
+__device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, CacheStrides ks,
+                                               const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
+                                               const int* __restrict__ req_pages, int page_size, int slot_begin,
+                                               int slot_end, Scratch& sm, Tile& tile) {
   using L = MmaLayout<KV, HEAD_DIM>;
-  using M = Mma<typename Select<FP8, f16, T>::type>;
   constexpr int STAGES = L::STAGES;
-  constexpr int KSTEPS = HEAD_DIM / 16;
-  constexpr int MT = HEAD_DIM / 16;                      // O^T m-tiles of 16 dims
   constexpr int CPR = L::CPR;                            // 16-byte chunks per token row
   constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(KV);
   constexpr int PASSES = MMA_TILE * CPR / 32;            // chunks each lane copies per tile
   constexpr int CTA_TILE = MMA_WARPS * MMA_TILE;
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;  // fragment row group and column pair
-
-  // Q^T as B fragments of S^T (column g = query head g).
-  unsigned qb[KSTEPS][2];
-  const float q_unscale = load_q_fragments<T, FP8, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qb);
-  const float score_scale = sc.scale * q_unscale;
-
-  // O^T accumulators: o[mt] = rows (dim r0, r1) x columns (heads 2t, 2t+1).
-  float o[MT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  // Softmax state of heads 2t and 2t+1 (l: this lane's share of the sum).
-  float m0 = neg_inf(), m1 = neg_inf(), l0 = 0.f, l1 = 0.f;
-
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
 
@@ -282,134 +256,265 @@ __device__ __forceinline__ void cta_attend_mma(
       cp_async_wait<STAGES - 1>();
       __syncwarp();  // other lanes' copies of this stage are visible
       const int stage = it % STAGES;
-      const unsigned char(*kt)[L::ROW_BYTES] = sm.kv[stage][warp][0];
-      const unsigned char(*vt)[L::ROW_BYTES] = sm.kv[stage][warp][1];
-      const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
-
-      // S^T = K Q^T: rows tokens g, g+8; columns heads 2t, 2t+1. Two
-      // accumulators (even and odd k-steps) halve the dependent MMA chain.
-      float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
-      if constexpr (FP8) {
-        // One ldmatrix.x4 covers 32 dims: matrix j is tokens (j % 2) * 8..
-        // and bytes 16 * (j / 2).. of the block; a lane's 4 bytes are dims
-        // 4t..4t+3, the permuted k order of load_q_fragments.
-#pragma unroll
-        for (int kb = 0; kb < HEAD_DIM / 32; ++kb) {
-          unsigned a[4];
-          ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][kb * 32 + (lane / 16) * 16]);
-          M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);
-          M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0],
-                 qb[2 * kb + 1][1]);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < KSTEPS; ++k) {
-          unsigned a[4];
-          ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][(k * 16 + (lane / 16) * 8) * 2]);
-          M::mma(k % 2 ? sb : sa, a[0], a[1], a[2], a[3], qb[k][0], qb[k][1]);
-        }
-      }
-      float s[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[i] = (sa[i] + sb[i]) * score_scale;
-      if (sc.soft_cap > 0.f) {  // uniform branch
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[i] = sc.cap(s[i]);
-      }
-      if (base + g >= s1) s[0] = s[1] = neg_inf();
-      if (base + g + 8 >= s1) s[2] = s[3] = neg_inf();
-
-      // Online softmax per head (column) over the tile's 16 tokens: the 8
-      // lanes of one t hold a column's rows.
-      float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-      }
-      const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-      const float ms0 = mn0 == neg_inf() ? 0.f : mn0, ms1 = mn1 == neg_inf() ? 0.f : mn1;
-      if (__any_sync(0xffffffffu, mn0 > m0 || mn1 > m1)) {  // the max grows O(log n) times
-        const float a0 = fast_exp2(m0 - ms0), a1 = fast_exp2(m1 - ms1);
-        l0 *= a0;
-        l1 *= a1;
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          o[i][0] *= a0;
-          o[i][1] *= a1;
-          o[i][2] *= a0;
-          o[i][3] *= a1;
-        }
-      }
-      m0 = mn0;
-      m1 = mn1;
-      const float p0 = fast_exp2(s[0] - ms0), p1 = fast_exp2(s[1] - ms1);
-      const float p2 = fast_exp2(s[2] - ms0), p3 = fast_exp2(s[3] - ms1);
-      l0 += p0 + p2;
-      l1 += p1 + p3;
-      // P^T (tokens x heads, C layout) -> B fragments of O^T = V^T P^T:
-      // b0 = P[head g][tokens 2t, 2t+1], b1 = P[head g][tokens 2t+8, 2t+9].
-      const unsigned pb0 = movmatrix_trans(M::pack(p0, p1));
-      const unsigned pb1 = movmatrix_trans(M::pack(p2, p3));
-
-      if constexpr (FP8) {
-        // ldmatrix.trans of one-byte V gives a lane dims 2g, 2g+1 of tokens
-        // 2t, 2t+1; split into even and odd dims they are the A rows g and
-        // g + 8 of m-tile 2db + h: rows (g, g + 8) are dims 32db + 16h + 2g + (0, 1).
-#pragma unroll
-        for (int db = 0; db < HEAD_DIM / 32; ++db) {
-          unsigned v[4];
-          ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][db * 32 + (lane / 16) * 16]);
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);
-            M::mma(o[2 * db + h], fp8_lo(x), fp8_hi(x), fp8_lo(y), fp8_hi(y), pb0, pb1);
-          }
-        }
-      } else {
-        // One ldmatrix.x4.trans gives the A fragments of 16 dims: rows (g, g + 8) are dims 16i + (g, g + 8).
-#pragma unroll
-        for (int i = 0; i < MT; ++i) {
-          unsigned a[4];
-          ldmatrix_x4_trans(a, &vt[(lane / 16) * 8 + (lane % 8)][(i * 16 + ((lane / 8) % 2) * 8) * 2]);
-          M::mma(o[i], a[0], a[1], a[2], a[3], pb0, pb1);
-        }
-      }
+      tile.step(sm.kv[stage][warp][0], sm.kv[stage][warp][1], s0 + it * CTA_TILE + warp * MMA_TILE, s1);
       __syncwarp();  // every lane is done with this stage before it is refilled
     }
     cp_async_wait<0>();
   });
+}
 
+// 16-bit KV: the query heads are the M rows of S = Q K^T (rows 8..15 and
+// rows >= HEADS are zero), tokens are N; O += P V with P straight from the S
+// accumulators (their layout is the A layout). Measured faster than the
+// transposed tile below for 16-bit KV on the largest cells (4-6 % at batch
+// 128, H200, 2026-11-29): one shuffle pair per tile instead of three.
+template <typename T, int HEAD_DIM, int HEADS>
+struct RowsTile {
+  static_assert(HEADS <= 8, "query heads are MMA rows 0..7");
+  using M = Mma<T>;
+  using Row = unsigned char[MmaLayout<T, HEAD_DIM>::ROW_BYTES];
+  static constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;  // k-steps; output n-tiles of 8 dims
+  unsigned qa[KSTEPS][2];  // Q A fragments: rows g, columns 16k + 2t (+8)
+  float o[NT][4];          // O rows g (and zero rows g + 8), dims 8n + 2t, +1
+  float m, l;              // row g's running max and this lane's share of its sum
+  float score_scale;
+  ScoreMap sc;
+  int g, t, lane;
+
+  __device__ __forceinline__ RowsTile(const T* __restrict__ q, long long stride_q_head, ScoreMap sc_)
+      : m(neg_inf()), l(0.f), sc(sc_), g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), lane(threadIdx.x % 32) {
+    score_scale = sc.scale * load_q_fragments<T, false, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qa);
 #pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   }
+
+  __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int s1) {
+    // S = Q K^T: two n-tiles of 8 tokens; one ldmatrix.x4 covers 32 dims of one n-tile.
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+      for (int k = 0; k < KSTEPS; k += 2) {
+        unsigned b[4];
+        ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][(k * 16 + (lane / 8) * 8) * 2]);
+        M::mma(s[n], qa[k][0], 0u, qa[k][1], 0u, b[0], b[1]);
+        M::mma(s[n], qa[k + 1][0], 0u, qa[k + 1][1], 0u, b[2], b[3]);
+      }
+    }
+    // Online softmax of row g over this tile's 16 tokens (4 lanes per row).
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] *= score_scale;
+      s[n][1] *= score_scale;
+    }
+    if (sc.soft_cap > 0.f) {  // uniform branch
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        s[n][0] = sc.cap(s[n][0]);
+        s[n][1] = sc.cap(s[n][1]);
+      }
+    }
+    float mx = neg_inf();
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (base + n * 8 + 2 * t + e >= s1) s[n][e] = neg_inf();
+        mx = fmaxf(mx, s[n][e]);
+      }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float m_safe = m_new == neg_inf() ? 0.f : m_new;
+    if (__any_sync(0xffffffffu, m_new > m)) {  // the max grows O(log n) times
+      const float alpha = fast_exp2(m - m_safe);
+      l *= alpha;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        o[n][0] *= alpha;
+        o[n][1] *= alpha;
+      }
+    }
+    m = m_new;
+    float p[2][2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        p[n][e] = fast_exp2(s[n][e] - m_safe);
+        l += p[n][e];
+      }
+    // P as the A fragment of P.V: tokens 2t, 2t+1 (n-tile 0) and 2t+8, 2t+9 (n-tile 1).
+    const unsigned pa0 = M::pack(p[0][0], p[0][1]);
+    const unsigned pa2 = M::pack(p[1][0], p[1][1]);
+    // O += P V: one ldmatrix.x4.trans gives the B fragments of 16 dims.
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][(n * 8 + (lane / 16) * 8) * 2]);
+      M::mma(o[n], pa0, 0u, pa2, 0u, b[0], b[1]);
+      M::mma(o[n + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
+    }
+  }
+
+  template <typename States>
+  __device__ __forceinline__ void store(States& st, int warp) {
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (g < HEADS) {
+      if (t == 0) {
+        st.m[warp][g] = m;
+        st.l[warp][g] = l;
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        *reinterpret_cast<float2*>(&st.acc[warp][g][n * 8 + 2 * t]) = make_float2(o[n][0], o[n][1]);
+    }
+  }
+};
+
+// fp8 KV: both products run transposed, tokens and head dims as the M rows
+// and the (at most 8) query heads as the N columns: S^T = K Q^T (one
+// m16n8k16 per 16 dims of a 16-token tile) and O^T += V^T P^T (one per 16
+// output dims). Here every A fragment is widened from e4m3 in registers, and
+// this layout widens each K/V byte once (the rows layout would need the
+// byte-split V twice as B fragments). P^T comes out of the S^T accumulators
+// in the A/C layout; movmatrix turns it into the B layout.
+template <typename T, int HEAD_DIM, int HEADS>
+struct ColsTile {
+  static_assert(HEADS <= 8, "query heads are the MMA's 8 N columns");
+  using M = Mma<f16>;  // e4m3 widens exactly to f16
+  using Row = unsigned char[MmaLayout<e4m3, HEAD_DIM>::ROW_BYTES];
+  static constexpr int KSTEPS = HEAD_DIM / 16, MT = HEAD_DIM / 16;  // k-steps; O^T m-tiles of 16 dims
+  unsigned qb[KSTEPS][2];  // Q^T B fragments (column g = query head g), permuted k order
+  float o[MT][4];          // O^T rows (dims 16i + 2g, +1), columns (heads 2t, 2t + 1)
+  float m0, m1, l0, l1;    // heads 2t and 2t + 1 (l: this lane's share of the sum)
+  float score_scale;
+  ScoreMap sc;
+  int g, t, lane;
+
+  __device__ __forceinline__ ColsTile(const T* __restrict__ q, long long stride_q_head, ScoreMap sc_)
+      : m0(neg_inf()), m1(neg_inf()), l0(0.f), l1(0.f), sc(sc_), g(threadIdx.x % 32 / 4), t(threadIdx.x % 4),
+        lane(threadIdx.x % 32) {
+    score_scale = sc.scale * load_q_fragments<T, true, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qb);
+#pragma unroll
+    for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  }
+
+  __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int s1) {
+    // S^T = K Q^T: rows tokens g, g + 8; columns heads 2t, 2t + 1. One
+    // ldmatrix.x4 covers 32 dims: matrix j is tokens (j % 2) * 8.. and bytes
+    // 16 * (j / 2).. of the block; a lane's 4 bytes are dims 4t..4t+3, the
+    // permuted k order of load_q_fragments. Two accumulators (even and odd
+    // k-steps) halve the dependent MMA chain.
+    float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kb = 0; kb < HEAD_DIM / 32; ++kb) {
+      unsigned a[4];
+      ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][kb * 32 + (lane / 16) * 16]);
+      M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);
+      M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0], qb[2 * kb + 1][1]);
+    }
+    float s[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[i] = (sa[i] + sb[i]) * score_scale;
+    if (sc.soft_cap > 0.f) {  // uniform branch
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[i] = sc.cap(s[i]);
+    }
+    if (base + g >= s1) s[0] = s[1] = neg_inf();
+    if (base + g + 8 >= s1) s[2] = s[3] = neg_inf();
+
+    // Online softmax per head (column) over the tile's 16 tokens: the 8
+    // lanes of one t hold a column's rows.
+    float mx0 = fmaxf(s[0], s[2]), mx1 = fmaxf(s[1], s[3]);
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float ms0 = mn0 == neg_inf() ? 0.f : mn0, ms1 = mn1 == neg_inf() ? 0.f : mn1;
+    if (__any_sync(0xffffffffu, mn0 > m0 || mn1 > m1)) {  // the max grows O(log n) times
+      const float a0 = fast_exp2(m0 - ms0), a1 = fast_exp2(m1 - ms1);
+      l0 *= a0;
+      l1 *= a1;
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        o[i][0] *= a0;
+        o[i][1] *= a1;
+        o[i][2] *= a0;
+        o[i][3] *= a1;
+      }
+    }
+    m0 = mn0;
+    m1 = mn1;
+    const float p0 = fast_exp2(s[0] - ms0), p1 = fast_exp2(s[1] - ms1);
+    const float p2 = fast_exp2(s[2] - ms0), p3 = fast_exp2(s[3] - ms1);
+    l0 += p0 + p2;
+    l1 += p1 + p3;
+    // P^T (tokens x heads, C layout) -> B fragments of O^T = V^T P^T:
+    // b0 = P[head g][tokens 2t, 2t+1], b1 = P[head g][tokens 2t+8, 2t+9].
+    const unsigned pb0 = movmatrix_trans(M::pack(p0, p1));
+    const unsigned pb1 = movmatrix_trans(M::pack(p2, p3));
+    // ldmatrix.trans of one-byte V gives a lane dims 2g, 2g+1 of tokens
+    // 2t, 2t+1; split into even and odd dims they are the A rows g and g + 8
+    // of m-tile 2db + h: rows (g, g + 8) are dims 32db + 16h + 2g + (0, 1).
+#pragma unroll
+    for (int db = 0; db < HEAD_DIM / 32; ++db) {
+      unsigned v[4];
+      ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][db * 32 + (lane / 16) * 16]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);
+        M::mma(o[2 * db + h], fp8_lo(x), fp8_hi(x), fp8_lo(y), fp8_hi(y), pb0, pb1);
+      }
+    }
+  }
+
+  template <typename States>
+  __device__ __forceinline__ void store(States& st, int warp) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+      l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+    }
+    const int h0 = 2 * t, h1 = 2 * t + 1;
+    if (g == 0) {
+      if (h0 < HEADS) {
+        st.m[warp][h0] = m0;
+        st.l[warp][h0] = l0;
+      }
+      if (h1 < HEADS) {
+        st.m[warp][h1] = m1;
+        st.l[warp][h1] = l1;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {  // rows (g, g + 8) are dims 16i + 2g + (0, 1)
+      if (h0 < HEADS) *reinterpret_cast<float2*>(&st.acc[warp][h0][16 * i + 2 * g]) = make_float2(o[i][0], o[i][2]);
+      if (h1 < HEADS) *reinterpret_cast<float2*>(&st.acc[warp][h1][16 * i + 2 * g]) = make_float2(o[i][1], o[i][3]);
+    }
+  }
+};
+
+// Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
+// T is the query/output storage type, KV the cache's (T, or e4m3).
+template <typename T, typename KV, int HEAD_DIM, int HEADS, typename Emit>
+__device__ __forceinline__ void cta_attend_mma(
+    const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
+    const KV* __restrict__ k_cache, CacheStrides ks,
+    const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
+    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
+    MmaScratch<T, KV, HEAD_DIM, HEADS>& sm, Emit& emit) {
+  using Tile = typename Select<IsSame<KV, e4m3>::value, ColsTile<T, HEAD_DIM, HEADS>,
+                               RowsTile<T, HEAD_DIM, HEADS>>::type;
+  Tile tile(q, stride_q_head, sc);
+  mma_token_loop<KV, HEAD_DIM>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin, slot_end, sm,
+                               tile);
   __syncthreads();  // the ring becomes the combine buffer
-  const int h0 = 2 * t, h1 = 2 * t + 1;
-  if (g == 0) {
-    if (h0 < HEADS) {
-      sm.combine.m[warp][h0] = m0;
-      sm.combine.l[warp][h0] = l0;
-    }
-    if (h1 < HEADS) {
-      sm.combine.m[warp][h1] = m1;
-      sm.combine.l[warp][h1] = l1;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < MT; ++i) {
-    const int d0 = FP8 ? 16 * i + 2 * g : 16 * i + g;  // row g's dim; row g + 8 is d0 + (FP8 ? 1 : 8)
-    const int d1 = FP8 ? d0 + 1 : d0 + 8;
-    if (h0 < HEADS) {
-      sm.combine.acc[warp][h0][d0] = o[i][0];
-      sm.combine.acc[warp][h0][d1] = o[i][2];
-    }
-    if (h1 < HEADS) {
-      sm.combine.acc[warp][h1][d0] = o[i][1];
-      sm.combine.acc[warp][h1][d1] = o[i][3];
-    }
-  }
+  tile.store(sm.combine, threadIdx.x / 32);
   __syncthreads();
   emit_combined<MMA_WARPS, MMA_THREADS>(sm.combine, sc.out_scale, emit);
 }
