@@ -1257,6 +1257,13 @@ def test_no_gpu_exits_with_status_3(script, argv, tmp_path):
 
 
 @pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
+def test_ab_sources_exit_codes():
+    res = _run("scripts/ab_sources.py", "fp16")
+    assert res.returncode == 3 and "no CUDA GPU" in res.stderr, res.stdout + res.stderr
+    assert _run("scripts/ab_sources.py", "int4").returncode == 2
+
+
+@pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
 def test_main_exits_3_in_process(capsys):
     for module, argv in ((correctness, []), (microbench, ["--quick"])):
         with pytest.raises(SystemExit) as e:
