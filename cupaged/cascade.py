@@ -52,14 +52,13 @@ from typing import Any
 import numpy as np
 
 from . import _configs
-from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
+from .errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
+from .decode import KV_LAYOUTS, _check_out
 from .page_table import PageTable
 from .plan import MAX_HEADS_PER_CTA, DecodePlan, heads_per_cta, plan_decode
 
 __all__ = ["CascadePlan", "PrefixPass", "cascade_decode", "plan_cascade", "pseudo_group_size"]
-
-KV_LAYOUTS = ("NHD", "HND")
 
 
 # --------------------------------------------------------------------------- heuristic
@@ -481,21 +480,6 @@ def _uint_view(a):
     """The same bytes as unsigned ints of the same width (a pure copy needs no
     float arithmetic, bfloat16 included)."""
     return a.view(_UINT[a.itemsize])
-
-
-def _check_out(out, q):
-    from .decode import _as_cupy
-
-    out = _as_cupy(out, "out")
-    if out.shape != q.shape:
-        raise ShapeError(f"out must have q's shape {q.shape}, got {out.shape}")
-    if out.dtype != q.dtype:
-        raise DTypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
-    if out.ndim and out.strides[-1] != out.itemsize:
-        raise LayoutError(f"out's head_dim must be contiguous (last stride {out.itemsize} bytes), got {out.strides}")
-    if out.data.device_id != q.data.device_id:
-        raise DeviceMismatchError(f"out must be on q's device {q.data.device_id}, got device {out.data.device_id}")
-    return out
 
 
 # -------------------------------------------------------------------------------- entry
