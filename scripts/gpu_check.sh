@@ -12,6 +12,8 @@
 #   3. correctness sweep, --force-merge      -> OUTDIR/correctness_merge.csv/.log
 #   4. correctness sweep, --single-chunk     -> OUTDIR/correctness_single.csv/.log
 #      (no merge: the default plan splits every default configuration)
+#   4b. correctness sweep, --features (fp8, head_dim 96/256, GQA 3-16, page
+#      1/256, soft cap, HND, scales: 121 configs) -> OUTDIR/correctness_features.csv/.log
 #   5. microbenchmark --quick                -> OUTDIR/microbench.{csv,md,png,log}
 #      (FlashInfer joins when .peer/activate.sh exists; set CUPAGED_NO_PEER=1
 #      to skip it)
@@ -62,6 +64,8 @@ step correctness-merge "$outdir/correctness_merge.log" \
   python3 scripts/correctness.py --force-merge --csv "$outdir/correctness_merge.csv"
 step correctness-single "$outdir/correctness_single.log" \
   python3 scripts/correctness.py --single-chunk --csv "$outdir/correctness_single.csv"
+step correctness-features "$outdir/correctness_features.log" \
+  python3 scripts/correctness.py --features --csv "$outdir/correctness_features.csv"
 
 peer=""
 if [ -f .peer/activate.sh ] && [ -z "${CUPAGED_NO_PEER:-}" ]; then
