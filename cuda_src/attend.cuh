@@ -24,8 +24,8 @@ constexpr int PAGE_WINDOW = 256;
 // stages and less address math per token); with many heads one vector keeps
 // q and the accumulators within the register budget. A row of ACTIVE lanes
 // sits in a power-of-two group of TPR lanes (the xor reductions need one):
-// head_dim 96 in fp16 is 12 vectors, 6 or 12 active lanes in groups of 8 or
-// 16; the idle lanes hold zeros.
+// head_dim 96 in fp16 is 12 vectors, 12 active lanes in groups of 16 (fp32:
+// 24 in groups of 32); the idle lanes hold zeros.
 template <typename T, int HEAD_DIM, int HEADS>
 struct RowMap {
   static constexpr int VEC = Storage<T>::VEC;

@@ -54,7 +54,7 @@ import numpy as np
 from . import _configs
 from .errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
-from .decode import KV_LAYOUTS, _check_out
+from .decode import KV_LAYOUTS, _check_out, _dtype_variant
 from .page_table import PageTable
 from .plan import MAX_HEADS_PER_CTA, DecodePlan, heads_per_cta, plan_decode
 
@@ -337,7 +337,7 @@ def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr:
             batch) share prefix ``j``; starts at 0, strictly increasing (no
             empty group), ends at ``B``. A group of one is allowed.
         num_qo_heads, num_kv_heads: ``Hq`` and ``Hkv`` (``Hq % Hkv == 0``).
-        head_dim: ``D``; the merge kernel serves 64, 128 and 256.
+        head_dim: ``D``; the merge kernel serves 64, 96, 128 and 256.
         dtype: q/out dtype (float16, bfloat16 or float32).
         kv_dtype: keyword-only cache dtype, default ``dtype``; forwarded to
             :func:`~cupaged.plan_decode`.
@@ -566,14 +566,7 @@ def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: P
         raise ShapeError(f"k_cache must be 4-D (kv_layout {kv_layout!r}), got shape {k_cache.shape}")
     if kv_layout not in KV_LAYOUTS:
         raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    try:
-        _configs.dtype_name(q.dtype)
-    except ValueError:
-        raise DTypeError(f"q has dtype {q.dtype}; supported: {', '.join(_configs.DTYPES)}") from None
-    if k_cache.dtype != q.dtype and k_cache.dtype != np.uint8:
-        raise DTypeError(
-            f"k_cache must have q's dtype {q.dtype} (or be an fp8 cache of uint8 bits), got {k_cache.dtype}"
-        )
+    _dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)  # decode's rule and DTypeError
     batch, hq, d = q.shape
     hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     if unique_table.batch_size != batch:
@@ -591,7 +584,7 @@ def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: P
         plan = plan_cascade(shared_table, unique_table, group_indptr, hq, hkv, d, q.dtype,
                             kv_dtype=None if k_cache.dtype == q.dtype else k_cache.dtype)
     else:
-        _check_plan(plan, q, hkv, shared_table, unique_table, group_indptr)
+        _check_plan(plan, q, k_cache, hkv, shared_table, unique_table, group_indptr)
     out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _check_out(out, q)
     lse = cupy.empty((batch, hq), dtype=cupy.float32) if return_lse else None
 
@@ -620,17 +613,19 @@ def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: P
     return (out, lse) if return_lse else out
 
 
-def _check_plan(plan, q, hkv: int, shared_table, unique_table, group_indptr) -> None:
+def _check_plan(plan, q, k_cache, hkv: int, shared_table, unique_table, group_indptr) -> None:
     if not isinstance(plan, CascadePlan):
         raise ArgumentTypeError(
             f"plan must be a cupaged.CascadePlan from plan_cascade or None, got {type(plan).__name__}"
         )
     _, hq, d = q.shape
-    expected = (hq, hkv, d, np.dtype(q.dtype))
-    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.dtype)
+    fp8 = k_cache.dtype == np.uint8
+    expected = (hq, hkv, d, np.dtype(q.dtype), "float8_e4m3fn" if fp8 else np.dtype(q.dtype).name)
+    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.dtype, np.dtype(plan.kv_dtype).name)
     if got != expected:
         raise PlanMismatchError(
-            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype) = {got}, the call has {expected}"
+            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype) = {got}, "
+            f"the call has {expected}"
         )
     buf = _buffers.get(plan)
     if buf is not None and buf.checked is not None and buf.checked[0]() is shared_table \
