@@ -89,9 +89,8 @@ def append_kv(k_new, v_new, k_cache, v_cache, table: PageTable, *, append_indptr
         kv_layout: ``"NHD"`` (default) or ``"HND"``.
         k_scale, v_scale: None (1.0), a positive finite float (per tensor), or
             a float32 CuPy array ``[num_kv_heads]`` (per head) or ``[1]``; an
-            array's values are not checked (they stay on the device). The
-            cache stores ``x / scale`` so that ``cache * scale`` is the real
-            value; computed in float32 as ``x *
+            array's values are not checked (they stay on the device). The cache stores ``x / scale`` so that ``cache *
+            scale`` is the real value; computed in float32 as ``x *
             (1 / scale)`` (a correctly rounded reciprocal; exactly ``x /
             scale`` for a power of two), then rounded to nearest even into the
             cache dtype: fp8 saturates to +-448 (infinities too, NaN stays
