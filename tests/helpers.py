@@ -65,6 +65,19 @@ def tolerance(dtype) -> float:
     return 1e-5 if np.dtype(dtype) == np.float32 else 2e-2
 
 
+def check_close(out, lse, ref_out, ref_lse, dtype):
+    """Asserts out/lse match the float64 reference within q's dtype tolerance
+    (LSE: the same -inf pattern, 1e-3 or 1e-5 elsewhere); returns (max_rel, rel_rms)."""
+    max_rel, rel_rms = rel_errors(out, ref_out)
+    tol = tolerance(dtype)
+    assert max_rel <= tol and rel_rms <= tol, (max_rel, rel_rms)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse)), "LSE -inf pattern differs"
+    lse_tol = 1e-3 if tol > 1e-5 else 1e-5
+    assert np.allclose(lse[finite], ref_lse[finite], rtol=lse_tol, atol=lse_tol)
+    return max_rel, rel_rms
+
+
 # ------------------------------------------------------- serving features (issue 6)
 
 #: Per-head magnitudes of the real K/V values of a per-head-scaled fp8 cache

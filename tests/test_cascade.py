@@ -28,7 +28,7 @@ import cupaged
 from cupaged import reference
 from cupaged.cascade import PrefixPass, pseudo_group_size
 from cupaged.plan import MAX_HEADS_PER_CTA, heads_per_cta
-from helpers import rel_errors, tolerance, visible_mask
+from helpers import check_close, rel_errors, visible_mask
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -404,14 +404,7 @@ def run_cascade(q, k, v, shared, unique, gi, plan=None, **kw):
     return out_h, lse.get().astype(np.float64)
 
 
-def check(out, lse, ref_out, ref_lse, dtype):
-    max_rel, rel_rms = rel_errors(out, ref_out)
-    tol = tolerance(dtype)
-    assert max_rel <= tol and rel_rms <= tol, (max_rel, rel_rms)
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(finite, np.isfinite(lse)), "LSE -inf pattern differs"
-    lse_tol = 1e-3 if tol > 1e-5 else 1e-5
-    assert np.allclose(lse[finite], ref_lse[finite], rtol=lse_tol, atol=lse_tol)
+check = check_close
 
 
 RAGGED = [0, 1, 15, 16, 17, 31, 97, 257]

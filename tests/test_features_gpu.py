@@ -27,6 +27,7 @@ from helpers import (
     E4M3_NAN,
     HEAD_MAGNITUDES,
     RAGGED_LENS,
+    check_close,
     make_caches,
     make_fp8_caches,
     make_query,
@@ -141,16 +142,7 @@ def run(method, b: Batch, plan=None, **kw):
 def check(got, want, dtype):
     """``got``, ``want``: (out, lse). The tolerance of q's dtype (fp8 caches:
     the kernels compute in float32 from the exact dequantized values)."""
-    out, lse = got
-    ref_out, ref_lse = want
-    max_rel, rel_rms = rel_errors(out, ref_out)
-    tol = tolerance(dtype)
-    assert max_rel <= tol and rel_rms <= tol, (max_rel, rel_rms)
-    finite = np.isfinite(ref_lse)
-    assert np.array_equal(finite, np.isfinite(lse)), "LSE -inf pattern differs"
-    lse_tol = 1e-3 if tol > 1e-5 else 1e-5
-    assert np.allclose(lse[finite], ref_lse[finite], rtol=lse_tol, atol=lse_tol)
-    return max_rel
+    return check_close(*got, *want, dtype)[0]
 
 
 def differs(a, b, tol):
