@@ -54,9 +54,6 @@ namespace cupaged {
 
 constexpr int APPEND_THREADS = 128;
 
-template <typename A, typename B> struct append_same_type { static constexpr bool value = false; };
-template <typename A> struct append_same_type<A, A> { static constexpr bool value = true; };
-
 // Two floats -> float8 e4m3fn bits, lo in the low byte (the lower address).
 __device__ __forceinline__ unsigned append_e4m3x2(float lo, float hi) {
 #if __CUDA_ARCH__ >= 890
@@ -107,7 +104,7 @@ template <> struct AppendPack<bf16> {
 // Reads ELEMS inputs at src and returns the 16 bytes of CACHE_T to store.
 template <typename IN_T, typename CACHE_T>
 struct AppendChunk {
-  static constexpr bool SAME = append_same_type<IN_T, CACHE_T>::value;
+  static constexpr bool SAME = IsSame<IN_T, CACHE_T>::value;
   static constexpr int IN_VEC = Storage<IN_T>::VEC;
   static constexpr int ELEMS = SAME ? IN_VEC : 16;  // CACHE_T is e4m3 (1 byte) otherwise
   static constexpr int LOADS = ELEMS / IN_VEC;

@@ -123,10 +123,6 @@ struct MmaScratch {
   };
 };
 
-template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
-template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
-template <bool C, typename A, typename B> struct Select { using type = A; };
-template <typename A, typename B> struct Select<false, A, B> { using type = B; };
 
 // Two e4m3 (low byte first) as the f16x2 B operand; prmt 0x3120 first splits
 // a register of ldmatrix.trans into its even and odd bytes.

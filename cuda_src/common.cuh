@@ -26,6 +26,12 @@ __device__ __forceinline__ unsigned float2_to_f16x2(float lo, float hi) {
   return r;
 }
 
+// Type traits (no <type_traits>: NVRTC gets no include path beyond cuda_src/).
+template <typename A, typename B> struct IsSame { static constexpr bool value = false; };
+template <typename A> struct IsSame<A, A> { static constexpr bool value = true; };
+template <bool C, typename A, typename B> struct Select { using type = A; };
+template <typename A, typename B> struct Select<false, A, B> { using type = B; };
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 // ex2.approx / lg2.approx: 2 ulp, what the online softmax needs; exp2(-inf) = 0.

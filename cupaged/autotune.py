@@ -178,7 +178,7 @@ class TuneResult:
     timings_us: dict  # pages_per_chunk -> µs per decode
 
 
-def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneResult:
+def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True, kv_layout: str = "NHD") -> TuneResult:
     """Times every candidate chunk size on these tensors and returns the best.
 
     Each candidate of :func:`candidates` (powers of two up to the longest
@@ -195,9 +195,11 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneRe
 
     Args:
         q: ``[B, Hq, D]`` CuPy array, float16, bfloat16 or float32.
-        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` (NHD) CuPy arrays
-            of q's dtype (as for :func:`cupaged.decode`).
+        k_cache, v_cache: ``[num_pages, page_size, Hkv, D]`` (NHD; HND with
+            ``kv_layout="HND"``) CuPy arrays of q's dtype or fp8 uint8 bits
+            (as for :func:`cupaged.decode`).
         table: the batch's :class:`~cupaged.PageTable` (``B >= 1``).
+        kv_layout: keyword-only, ``"NHD"`` (default) or ``"HND"``.
         store: keyword-only, default True: write the winner under
             :func:`cache_key` to ``$CUPAGED_CACHE_DIR/autotune.json``
             (default ``~/.cache/cupaged/autotune.json``).
@@ -224,14 +226,15 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneRe
     from .decode import decode
 
     num_qo_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2 if kv_layout == "NHD" else 1]
     kv = _kv_dtype(q, k_cache)
     heuristic = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype, kv_dtype=kv).pages_per_chunk
     out = cupy.empty_like(q)
     timings = {}
     for c in candidates(table, heuristic):
         plan = plan_decode(table, num_qo_heads, num_kv_heads, head_dim, q.dtype, kv_dtype=kv, pages_per_chunk=c)
-        timings[c] = graph_time_us(lambda: decode(q, k_cache, v_cache, table, plan, method="v2", out=out))
+        timings[c] = graph_time_us(
+            lambda: decode(q, k_cache, v_cache, table, plan, method="v2", kv_layout=kv_layout, out=out))
     best = min(timings, key=timings.get)
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table, k_cache.dtype)
@@ -240,7 +243,7 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True) -> TuneRe
     return TuneResult(key, best, heuristic, timings)
 
 
-def tuned_plan(q, k_cache, v_cache, table: PageTable) -> DecodePlan:
+def tuned_plan(q, k_cache, v_cache, table: PageTable, *, kv_layout: str = "NHD") -> DecodePlan:
     """A plan whose chunk size is the cached winner for this shape bucket,
     tuning (and caching) first when the bucket has none.
 
@@ -272,11 +275,11 @@ def tuned_plan(q, k_cache, v_cache, table: PageTable) -> DecodePlan:
     import cupy
 
     num_qo_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2 if kv_layout == "NHD" else 1]
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table, k_cache.dtype)
     best = _load_cache().get(key)
     if best is None:
-        best = tune(q, k_cache, v_cache, table).best
+        best = tune(q, k_cache, v_cache, table, kv_layout=kv_layout).best
     return plan_decode(table, num_qo_heads, num_kv_heads, head_dim, np.dtype(q.dtype), kv_dtype=_kv_dtype(q, k_cache),
                        pages_per_chunk=int(best))

@@ -52,14 +52,13 @@ from typing import Any
 import numpy as np
 
 from . import _configs
-from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
+from .errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
+from .decode import KV_LAYOUTS, _check_out, _dtype_variant
 from .page_table import PageTable
 from .plan import MAX_HEADS_PER_CTA, DecodePlan, heads_per_cta, plan_decode
 
 __all__ = ["CascadePlan", "PrefixPass", "cascade_decode", "plan_cascade", "pseudo_group_size"]
-
-KV_LAYOUTS = ("NHD", "HND")
 
 
 # --------------------------------------------------------------------------- heuristic
@@ -483,21 +482,6 @@ def _uint_view(a):
     return a.view(_UINT[a.itemsize])
 
 
-def _check_out(out, q):
-    from .decode import _as_cupy
-
-    out = _as_cupy(out, "out")
-    if out.shape != q.shape:
-        raise ShapeError(f"out must have q's shape {q.shape}, got {out.shape}")
-    if out.dtype != q.dtype:
-        raise DTypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
-    if out.ndim and out.strides[-1] != out.itemsize:
-        raise LayoutError(f"out's head_dim must be contiguous (last stride {out.itemsize} bytes), got {out.strides}")
-    if out.data.device_id != q.data.device_id:
-        raise DeviceMismatchError(f"out must be on q's device {q.data.device_id}, got device {out.data.device_id}")
-    return out
-
-
 # -------------------------------------------------------------------------------- entry
 def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: PageTable, group_indptr: Any,
                    plan: CascadePlan | None = None, *, sm_scale: float | None = None,
@@ -582,14 +566,7 @@ def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: P
         raise ShapeError(f"k_cache must be 4-D (kv_layout {kv_layout!r}), got shape {k_cache.shape}")
     if kv_layout not in KV_LAYOUTS:
         raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    try:
-        _configs.dtype_name(q.dtype)
-    except ValueError:
-        raise DTypeError(f"q has dtype {q.dtype}; supported: {', '.join(_configs.DTYPES)}") from None
-    if k_cache.dtype != q.dtype and k_cache.dtype != np.uint8:
-        raise DTypeError(
-            f"k_cache must have q's dtype {q.dtype} (or be an fp8 cache of uint8 bits), got {k_cache.dtype}"
-        )
+    _dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)  # decode's rule and DTypeError
     batch, hq, d = q.shape
     hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     if unique_table.batch_size != batch:
@@ -607,7 +584,7 @@ def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: P
         plan = plan_cascade(shared_table, unique_table, group_indptr, hq, hkv, d, q.dtype,
                             kv_dtype=None if k_cache.dtype == q.dtype else k_cache.dtype)
     else:
-        _check_plan(plan, q, hkv, shared_table, unique_table, group_indptr)
+        _check_plan(plan, q, k_cache, hkv, shared_table, unique_table, group_indptr)
     out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _check_out(out, q)
     lse = cupy.empty((batch, hq), dtype=cupy.float32) if return_lse else None
 
@@ -636,17 +613,19 @@ def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: P
     return (out, lse) if return_lse else out
 
 
-def _check_plan(plan, q, hkv: int, shared_table, unique_table, group_indptr) -> None:
+def _check_plan(plan, q, k_cache, hkv: int, shared_table, unique_table, group_indptr) -> None:
     if not isinstance(plan, CascadePlan):
         raise ArgumentTypeError(
             f"plan must be a cupaged.CascadePlan from plan_cascade or None, got {type(plan).__name__}"
         )
     _, hq, d = q.shape
-    expected = (hq, hkv, d, np.dtype(q.dtype))
-    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.dtype)
+    fp8 = k_cache.dtype == np.uint8
+    expected = (hq, hkv, d, np.dtype(q.dtype), "float8_e4m3fn" if fp8 else np.dtype(q.dtype).name)
+    got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.dtype, np.dtype(plan.kv_dtype).name)
     if got != expected:
         raise PlanMismatchError(
-            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype) = {got}, the call has {expected}"
+            f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype) = {got}, "
+            f"the call has {expected}"
         )
     buf = _buffers.get(plan)
     if buf is not None and buf.checked is not None and buf.checked[0]() is shared_table \

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _configs, _loader
-from ._arrays import as_cupy as _as_cupy, dlpack_on_gpu as _dlpack_on_gpu  # noqa: F401 (moved there)
+from ._arrays import as_cupy as _as_cupy
 from ._device import require_gpu
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
@@ -70,6 +70,7 @@ class Selection:
 # The full checks that read device memory live in cupaged/_validate.py and run
 # only with ``decode(..., validate=True)``.
 _F32_MAX = float(np.finfo(np.float32).max)
+_F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
@@ -96,7 +97,8 @@ def _check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
         _raise_heads(num_qo_heads, num_kv_heads, head_dim)
     if page_size != table.page_size:
         raise ShapeError(
-            f"the caches' page_size (k_cache.shape[1] = {page_size}) must equal table.page_size ({table.page_size})"
+            f"the caches' page_size ({page_size}: k_cache.shape[1] for NHD, shape[2] for HND) must equal "
+            f"table.page_size ({table.page_size})"
         )
     if batch != table.batch_size:
         raise ShapeError(f"q's batch (q.shape[0] = {batch}) must equal table.batch_size ({table.batch_size} requests)")
@@ -185,6 +187,9 @@ def _kernel_decline_reason(q, k_cache, v_cache, method: str = "v2", variant: str
             return "v1 has no fp8 KV instance (v2 serves fp8 at head_dim 64, 96, 128)"
         if not _configs.serves("mma", variant, head_dim):
             return f"no kernel serves fp8 KV at head_dim {head_dim} (v2 serves it at 64, 96, 128)"
+        cc = _compute_capability(q.data.device_id)
+        if cc < 89:
+            return f"fp8 KV needs compute capability 8.9+ (cvt from e4m3), this GPU has {cc // 10}.{cc % 10}"
     qs, ks, vs = q.strides, k_cache.strides, v_cache.strides
     if qs[2] != q.itemsize or ks[3] != k_cache.itemsize or vs[3] != v_cache.itemsize:
         name = "q" if qs[2] != q.itemsize else "k_cache" if ks[3] != k_cache.itemsize else "v_cache"
@@ -197,13 +202,21 @@ def _kernel_decline_reason(q, k_cache, v_cache, method: str = "v2", variant: str
     return None
 
 
+@functools.lru_cache(maxsize=16)
+def _compute_capability(device_id: int) -> int:
+    """Compute capability of a device as major * 10 + minor (cached)."""
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
 def _check_out(out, q):
     out = _as_cupy(out, "out")
     if out.shape != q.shape:
         raise ShapeError(f"out must have q's shape {q.shape}, got {out.shape}")
     if out.dtype != q.dtype:
         raise DTypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
-    if out.strides[-1] != out.itemsize:
+    if out.size and out.strides[-1] != out.itemsize:  # (CuPy gives an empty array all-zero strides)
         raise LayoutError(
             f"out's head_dim must be contiguous (last stride {out.itemsize} bytes), got strides {out.strides}"
         )
@@ -269,8 +282,10 @@ def _scale_arg(x, name: str, num_kv_heads: int, q):
         return 1.0, None
     if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_)):
         value = float(x)
-        if not math.isfinite(value) or value <= 0:
-            raise InvalidArgumentError(f"{name} must be a finite positive number, got {x!r}")
+        # a normal float32: the kernels take it as one (1e39 would be inf, 1e-50 zero)
+        if not _F32_TINY <= value <= _F32_MAX:
+            raise InvalidArgumentError(
+                f"{name} must be a positive normal float32 ({_F32_TINY:.3g} to {_F32_MAX:.3g}), got {x!r}")
         return value, None
     arr = _as_cupy(x, name)
     if arr.shape not in ((num_kv_heads,), (1,)) or arr.dtype != np.float32:
@@ -302,8 +317,11 @@ def _score_args(sm_scale, head_dim: int, logits_soft_cap, k_scale, v_scale, num_
         scale, soft_cap = sm * k_mult / cap, cap * LOG2E
     else:
         scale, soft_cap = sm * k_mult * LOG2E, 0.0
-    if not (math.isfinite(scale) and abs(scale) <= _F32_MAX and abs(soft_cap) <= _F32_MAX):
-        raise InvalidArgumentError("sm_scale * k_scale (/ logits_soft_cap) must stay within float32 range")
+    if not (math.isfinite(scale) and (scale == 0 or _F32_TINY <= abs(scale) <= _F32_MAX)
+            and abs(soft_cap) <= _F32_MAX):
+        raise InvalidArgumentError(
+            "sm_scale * k_scale (/ logits_soft_cap) * log2(e) must be a normal float32 (or 0), "
+            f"got {scale!r}")
     return ScoreArgs(scale, soft_cap, v_mult, k_arr, v_arr)
 
 
@@ -448,9 +466,11 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         logits_soft_cap: None or 0 (off), or ``cap > 0``: logits become
             ``cap * tanh(sm_scale * q.k / cap)`` (Gemma-2) before the softmax.
         k_scale, v_scale: dequantization scales, None (1), a positive float
-            (per tensor) or a float32 ``[num_kv_heads]`` array on q's device
-            (per kv head): the attention reads ``K = k_cache * k_scale`` and
-            ``V = v_cache * v_scale``. Any KV dtype; meant for fp8.
+            (per tensor; a normal float32) or a float32 ``[num_kv_heads]``
+            array on q's device (per kv head; its values are not checked):
+            the attention reads ``K = k_cache * k_scale`` and ``V = v_cache *
+            v_scale``. Any KV dtype; meant for fp8 (which v2 serves on GPUs of
+            compute capability 8.9+; older ones run the gather path).
         kv_layout: ``"NHD"`` (default) or ``"HND"``, the layout of both caches.
         out: optional output array (q's shape and dtype, head_dim contiguous).
         return_lse: also return the LSE, ``[batch, num_qo_heads]`` float32 in

@@ -478,6 +478,12 @@ def test_stale_plan_and_bad_calls_raise():
         cupaged.cascade_decode(q, k, v, shared, unique, gi, kv_layout="NDH")
     with pytest.raises(cupaged.ArgumentTypeError):
         cupaged.cascade_decode(host[0], k, v, shared, unique, gi)
+    # decode's dtype rule; a plan for 16-bit caches used with fp8 ones
+    with pytest.raises(cupaged.DTypeError):
+        cupaged.cascade_decode(q, k.astype(cp.float32), v, shared, unique, gi)
+    k8, v8 = (cp.zeros(a.shape, dtype=cp.uint8) for a in (k, v))
+    with pytest.raises(cupaged.PlanMismatchError, match="kv_dtype"):
+        cupaged.cascade_decode(q, k8, v8, shared, unique, gi, plan)
     with pytest.raises(cupaged.ShapeError):
         cupaged.cascade_decode(q, k, v, shared, unique, gi, out=cp.empty((3, 32, 64), dtype=q.dtype))
 

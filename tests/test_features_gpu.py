@@ -357,6 +357,12 @@ def test_unsupported_combinations_raise_listing_what_is_supported():
             cupaged.decode(b.q, b.k, b.v, b.table, k_scale=bad)
         with pytest.raises(ValueError, match="v_scale"):
             cupaged.decode(b.q, b.k, b.v, b.table, v_scale=bad)
+    # per-tensor scales outside the normal float32 range (inf or 0 in the kernel)
+    for bad in (1e39, 1e-50, 0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="v_scale"):
+            cupaged.decode(b.q, b.k, b.v, b.table, v_scale=bad)
+        with pytest.raises(ValueError, match="k_scale"):
+            cupaged.decode(b.q, b.k, b.v, b.table, k_scale=bad)
     # a negative or non-finite soft cap
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="logits_soft_cap"):
@@ -369,6 +375,49 @@ def test_unsupported_combinations_raise_listing_what_is_supported():
     with pytest.raises(ValueError):
         cupaged.decode(b.q, b.k, b.v.astype(cp.float16), b.table)
 
+
+
+@gpu
+def test_empty_batch_with_out():
+    """A batch of zero requests with ``out`` given: CuPy gives the empty
+    arrays all-zero strides, which the layout check must not reject."""
+    cp = _cp()
+    table = cupaged.PageTable.from_seq_lens([], 16)
+    q = cp.empty((0, 32, 128), dtype=cp.float16)
+    k = cp.zeros((4, 16, 8, 128), dtype=cp.float16)
+    for method in METHODS:
+        out = cp.empty_like(q)
+        assert cupaged.decode(q, k, k, table, method=method, out=out) is out
+
+
+@gpu
+def test_autotune_hnd(tmp_path, monkeypatch):
+    """tune / tuned_plan read num_kv_heads from the layout's head axis and time
+    the kernel on HND caches: the tuned plan decodes them correctly."""
+    from cupaged import autotune
+
+    monkeypatch.setenv(autotune.ENV_CACHE_DIR, str(tmp_path))
+    b = make_batch(61, [300, 2000, 45], kv_layout="HND")
+    result = autotune.tune(*b.dev, b.table, kv_layout="HND")
+    assert result.best in result.timings_us and all(t > 0 for t in result.timings_us.values())
+    plan = autotune.tuned_plan(*b.dev, b.table, kv_layout="HND")
+    assert plan.pages_per_chunk == result.best and plan.num_kv_heads == 8
+    out, lse = run("v2", b, plan)
+    check_close(out, lse, *b.reference(), b.dtype)
+
+
+@gpu
+def test_fp8_below_cc89_declines_to_gather(monkeypatch):
+    """The e4m3 conversions need compute capability 8.9: on an older GPU (the
+    capability faked here) fp8 decode takes the gather path, and says why."""
+    from cupaged import decode as decode_module
+
+    b = make_batch(62, [70, 500], kv_dtype=FP8, scale_mode="tensor")
+    monkeypatch.setattr(decode_module, "_compute_capability", lambda device_id: 80)
+    sel = cupaged.select_method(*b.dev, b.table, method="v2")
+    assert sel.method == "gather" and "8.9" in sel.reason
+    out, lse = run("v2", b)
+    check_close(out, lse, *b.reference(), b.dtype)
 
 # ------------------------------------------------ the generators (CPU only)
 

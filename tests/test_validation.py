@@ -82,6 +82,7 @@ class FakeArray:
     def __init__(self, shape, dtype=F16, *, device=0, strides=None, ptr=0, values=None):
         self.shape = tuple(shape)
         self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape))
         self.dtype = np.dtype(dtype)
         self.itemsize = self.dtype.itemsize
         c_strides = np.empty(self.shape or (1,), dtype=self.dtype).strides if self.shape else ()
@@ -124,7 +125,7 @@ INPUT_ROWS = {
     "zero_kv_heads": (ShapeError, "must be >= 1", (*fakes(k_shape=(16, 16, 0, 128)), TABLE)),
     "zero_head_dim": (ShapeError, "head_dim (q.shape[2]) must be >= 1",
                       (*fakes(q_shape=(3, 8, 0), k_shape=(16, 16, 2, 0)), TABLE)),
-    "page_size_differs": (ShapeError, "page_size (k_cache.shape[1] = 8) must equal table.page_size (16)",
+    "page_size_differs": (ShapeError, "page_size (8: k_cache.shape[1] for NHD, shape[2] for HND) must equal table.page_size (16)",
                           (*fakes(k_shape=(16, 8, 2, 128)), TABLE)),
     "batch_differs": (ShapeError, "q's batch (q.shape[0] = 2) must equal table.batch_size (3 requests)",
                       (*fakes(q_shape=(2, 8, 128)), TABLE)),
