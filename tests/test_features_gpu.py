@@ -410,8 +410,9 @@ def test_autotune_hnd(tmp_path, monkeypatch):
 def test_fp8_below_cc89_declines_to_gather(monkeypatch):
     """The e4m3 conversions need compute capability 8.9: on an older GPU (the
     capability faked here) fp8 decode takes the gather path, and says why."""
-    from cupaged import decode as decode_module
+    import importlib
 
+    decode_module = importlib.import_module("cupaged.decode")  # (cupaged.decode is the function)
     b = make_batch(62, [70, 500], kv_dtype=FP8, scale_mode="tensor")
     monkeypatch.setattr(decode_module, "_compute_capability", lambda device_id: 80)
     sel = cupaged.select_method(*b.dev, b.table, method="v2")
