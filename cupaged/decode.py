@@ -526,6 +526,14 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         # out: [2, 32, 128] float16; lse: [2, 32] float32, log2 units
         ref, ref_lse = cupaged.reference.decode(q, k_cache, v_cache, table)  # float64 check
     """
+    if plan is not None and logits_soft_cap is None and k_scale is None and v_scale is None \
+            and kv_layout == "NHD" and not validate:
+        buf = _plan_buffers.get(plan) if type(plan) is DecodePlan else None
+        hot = None if buf is None else buf.hot
+        if hot is not None:
+            res = hot.launch(buf, q, k_cache, v_cache, table, method, sm_scale, out, return_lse)
+            if res is not None:
+                return res
     require_gpu("cupaged.decode")
     import cupy
 
@@ -566,6 +574,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     elif selection.method == "v1":
         _launch_v1(q, k_cache, v_cache, table, dtype, scores, out, lse)
     else:
+        held = plan is not None  # only a caller's plan is worth a _HotCall record
         if plan is None:
             _check_core(dtype, head_dim)
             plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype,
@@ -582,7 +591,15 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
                 plan_buffers(plan, dtype).checked_table = weakref.ref(table)
             elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != buf.signature:
                 _check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
-        _launch_v2(q, k_cache, v_cache, table, plan, dtype, scores, out, lse)
+        buf = plan_buffers(plan, dtype)
+        buf.launch(q, k_cache, v_cache, table, scores, out, lse)
+        # The next call with these shapes, strides, dtypes, device and
+        # arguments may skip the checks above (_HotCall); any other v2 call
+        # with this plan rewrites the slots, so it drops or replaces the record.
+        eligible = (held and kv_layout == "NHD" and logits_soft_cap is None and k_scale is None and v_scale is None
+                    and (sm_scale is None or type(sm_scale) is float) and type(q) is cupy.ndarray
+                    and type(k_cache) is cupy.ndarray and type(v_cache) is cupy.ndarray)
+        buf.hot = _HotCall(q, k_cache, v_cache, table, method, sm_scale, out) if eligible else None
     return (out, lse) if return_lse else out
 
 
@@ -612,6 +629,7 @@ _ARRAYS = slice(_SLOT["q"], _SLOT["sv_h"] + 1)
 _TABLE = slice(_SLOT["indices"], _SLOT["first_page_offset"] + 1)
 _SCORES = slice(_SLOT["scale"], _SLOT["v_head_scale"] + 1)
 _OUT = slice(_SLOT["out"], _SLOT["lse"] + 1)
+_Q, _K, _V, _O, _LSE = (_SLOT[n] for n in ("q", "k", "v", "out", "lse"))
 
 
 class _PlanBuffers:
@@ -665,9 +683,18 @@ class _PlanBuffers:
             s[_SLOT["counters"]] = self.counters.data.ptr
         self.table = None  # the table whose pointers are in the slots (kept alive while they are)
         self.checked_table = None  # weakref to the last table that matched
+        self.hot = None  # _HotCall of the last v2 launch, when it may be repeated unchecked
         self.signature = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, dtype)
         self._current_stream = cupy.cuda.get_current_stream
         self._launch = driver.launchKernel
+
+    def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int) -> None:
+        """Launches with new array pointers, every other slot as last launched."""
+        s = self.slots
+        s[_Q], s[_K], s[_V], s[_O], s[_LSE] = q, k, v, out, lse
+        g, b = self.grid, self.block
+        self._launch(self.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
+                     self._current_stream().ptr, self.params_ptr, 0)
 
     def launch(self, q, k_cache, v_cache, table, scores: ScoreArgs, out, lse) -> None:
         s = self.slots
@@ -706,8 +733,58 @@ def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
     return buf
 
 
-def _launch_v2(q, k_cache, v_cache, table, plan: DecodePlan, dtype, scores, out, lse):
-    plan_buffers(plan, dtype).launch(q, k_cache, v_cache, table, scores, out, lse)
+class _HotCall:
+    """What one fully checked v2 call looked like, so that the next call of the
+    same kind (a serving loop: per layer a new q, out and layer cache of the
+    same shapes) skips decode's checks: it compares the arrays' types,
+    shapes, strides, dtypes and devices, the table's identity, the method
+    (and CUPAGED_DECODE) and sm_scale with the record, tests the new
+    pointers' 16-byte alignment, and launches with only the pointer slots
+    rewritten. Any difference returns None and the full path runs (and
+    records again). Host cost measured by scripts/host_profile.py."""
+
+    def __init__(self, q, k, v, table, method: str, sm_scale, out):
+        import cupy
+
+        self.table, self.method, self.sm_scale = table, method, sm_scale
+        self.env = os.environ.get(ENV_METHOD, "auto") if method == "auto" else None
+        self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
+        self.get_device = cupy.cuda.runtime.getDevice
+        self.device = q.data.device_id
+        self.q_meta = (q.shape, q.strides, q.dtype)
+        self.kv_meta = (k.shape, k.strides, k.dtype)
+        self.v_strides = v.strides
+        self.out_strides = out.strides
+
+    def launch(self, buf: "_PlanBuffers", q, k, v, table, method, sm_scale, out, return_lse):
+        """Launches with ``buf`` (whose record this is) and returns decode's
+        result, or None (the full path runs)."""
+        nd = self.ndarray
+        if (table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd
+                or type(v) is not nd or (sm_scale is not self.sm_scale and (
+                    type(sm_scale) is not float or sm_scale != self.sm_scale))):
+            return None
+        if self.env is not None and os.environ.get(ENV_METHOD, "auto") != self.env:
+            return None
+        q_shape = q.shape
+        if ((q_shape, q.strides, q.dtype) != self.q_meta or (k.shape, k.strides, k.dtype) != self.kv_meta
+                or v.shape != self.kv_meta[0] or v.strides != self.v_strides or v.dtype != self.kv_meta[2]):
+            return None
+        qp, kp, vp = q.data, k.data, v.data
+        device = self.device
+        if ((qp.ptr | kp.ptr | vp.ptr) & 15 or qp.device_id != device or kp.device_id != device
+                or vp.device_id != device or self.get_device() != device):
+            return None
+        if out is None:
+            out = self.empty(q_shape, dtype=q.dtype)
+            if out.strides != self.out_strides:
+                return None
+        elif (type(out) is not nd or out.shape != q_shape or out.dtype != q.dtype
+              or out.strides != self.out_strides or out.data.device_id != device):
+            return None
+        lse = self.empty(q_shape[:2], dtype=self.float32) if return_lse else None
+        buf.launch_pointers(qp.ptr, kp.ptr, vp.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr)
+        return (out, lse) if return_lse else out
 
 
 def _launch_v1(q, k_cache, v_cache, table, dtype, scores: ScoreArgs, out, lse):

@@ -1,4 +1,8 @@
-#!/usr/bin/env python3
+"""Where the host time of one ``cupaged.decode`` call goes (held plan, ``out``
+given, no graph): the median of N calls with the same arrays, of N calls
+rotating through several layers' caches with a new q and out each (a serving
+step), and of the bare driver launch; then a cProfile of the first kind of
+call sorted by own time. Exit status: 0 ran, 3 no CUDA GPU.
 """Where the host time of one ``cupaged.decode`` call goes (held plan, ``out``
 given, no graph): the median of N calls, then a cProfile of the same calls
 sorted by own time. Exit status: 0 ran, 3 no CUDA GPU.
@@ -25,6 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--layers", type=int, default=4, help="caches rotated through in the serving-step timing")
     args = p.parse_args(argv)
     _common.require_gpu()
     import cupy
@@ -40,19 +45,38 @@ def main(argv=None) -> int:
     def call():
         cupaged.decode(dev.q, dev.k_cache, dev.v_cache, dev.table, plan, out=out)
 
-    for _ in range(50):
-        call()
-    cupy.cuda.Device().synchronize()
-    times = []
-    for _ in range(args.calls):
-        t0 = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - t0) * 1e6)
-        if len(times) % 100 == 0:  # keep the launch queue short
-            cupy.cuda.Device().synchronize()
-    cupy.cuda.Device().synchronize()
-    print(f"host us per decode call: median {statistics.median(times):.2f}, "
-          f"p10 {np.percentile(times, 10):.2f}, p90 {np.percentile(times, 90):.2f} ({args.calls} calls)")
+    def timed(fn, label):
+        for _ in range(50):
+            fn()
+        cupy.cuda.Device().synchronize()
+        times = []
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            if len(times) % 100 == 0:  # keep the launch queue short
+                cupy.cuda.Device().synchronize()
+        cupy.cuda.Device().synchronize()
+        print(f"host us per {label}: median {statistics.median(times):.2f}, "
+              f"p10 {np.percentile(times, 10):.2f}, p90 {np.percentile(times, 90):.2f} ({args.calls} calls)")
+
+    timed(call, "decode call")
+    # A serving step: per layer its own caches and a new q and out (same shapes).
+    layers = [(cupy.empty_like(dev.q), cupy.empty_like(dev.k_cache), cupy.empty_like(dev.v_cache),
+               cupy.empty_like(dev.q)) for _ in range(args.layers)]
+    turn = iter(range(1 << 62))
+
+    def layer_call():
+        q, k, v, o = layers[next(turn) % args.layers]
+        cupaged.decode(q, k, v, dev.table, plan, out=o)
+
+    timed(layer_call, f"decode call rotating {args.layers} layers")
+    # The floor: the driver launch alone (cuLaunchKernel with packed arguments).
+    from cupaged.decode import plan_buffers
+
+    buf = plan_buffers(plan)
+    ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr, 0)
+    timed(lambda: buf.launch_pointers(*ptrs), "bare launch (launch_pointers)")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):

@@ -1,0 +1,146 @@
+"""GPU tests of decode's hot path: a call like the last fully checked v2 call
+with the same plan (same table, shapes, strides, dtypes, device, method and
+sm_scale) skips the checks and rewrites only the array pointers. Each test
+changes one thing between calls and checks the result against the float64
+reference, so a stale slot (pointer, stride, scale, table) fails here.
+"""
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import reference
+from helpers import check_close, make_caches, make_query
+
+from test_gpu_decode import batch
+
+pytestmark = pytest.mark.gpu
+
+F16 = np.dtype(np.float16)
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _buffers(plan):
+    import importlib
+
+    return importlib.import_module("cupaged.decode").plan_buffers(plan)
+
+
+def _decode(q, k, v, table, plan, **kw):
+    cp = _cp()
+    res = cupaged.decode(q, k, v, table, plan, return_lse=True, **kw)
+    cp.cuda.runtime.deviceSynchronize()
+    return res[0].get().astype(np.float64), res[1].get().astype(np.float64)
+
+
+def _count_launches(monkeypatch):
+    """Counts the checked launches and the hot ones."""
+    import importlib
+
+    cls = importlib.import_module("cupaged.decode")._PlanBuffers
+    counts = {"checked": 0, "hot": 0}
+    for name, key in (("launch", "checked"), ("launch_pointers", "hot")):
+        real = getattr(cls, name)
+
+        def wrapper(self, *a, _real=real, _key=key):
+            counts[_key] += 1
+            return _real(self, *a)
+
+        monkeypatch.setattr(cls, name, wrapper)
+    return counts
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["single_chunk", "merged"])
+def test_layers_of_a_step(merged, monkeypatch):
+    """A serving step: one plan, per layer a new q and that layer's caches;
+    only the first call is checked."""
+    cp = _cp()
+    counts = _count_launches(monkeypatch)
+    dev, table, host = batch(71, [300, 41, 1700, 16], mid_page=True)
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16, target_ctas=10**6 if merged else 1)
+    rng = np.random.default_rng(72)
+    layers = [host[1:]] + [make_caches(rng, table, host[1].shape[0], 8, 128, F16) for _ in range(2)]
+    for step in range(2):
+        for k_h, v_h in layers:
+            q_h = make_query(rng, 4, 32, 128, F16)
+            out, lse = _decode(cp.asarray(q_h), cp.asarray(k_h), cp.asarray(v_h), table, plan)
+            check_close(out, lse, *reference.decode(q_h, k_h, v_h, table), F16)
+            assert _buffers(plan).hot is not None
+    assert counts == {"checked": 1, "hot": 5}
+
+
+def test_each_difference_takes_the_checked_path(monkeypatch):
+    cp = _cp()
+    dev, table, host = batch(73, [200, 90, 513], mid_page=False)
+    q, k, v = dev
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16)
+    ref = reference.decode(*host, table)
+    check_close(*_decode(q, k, v, table, plan), *ref, F16)
+    assert _buffers(plan).hot is not None
+    counts = _count_launches(monkeypatch)
+    check_close(*_decode(q, k, v, table, plan), *ref, F16)
+    assert counts == {"checked": 0, "hot": 1}
+
+    # another sm_scale, then a soft cap (not recordable), then plain again
+    check_close(*_decode(q, k, v, table, plan, sm_scale=0.05), *reference.decode(*host, table, sm_scale=0.05), F16)
+    assert _buffers(plan).hot.sm_scale == 0.05
+    capped = reference.decode(*host, table, logits_soft_cap=5.0)
+    check_close(*_decode(q, k, v, table, plan, logits_soft_cap=5.0), *capped, F16)
+    assert _buffers(plan).hot is None
+    check_close(*_decode(q, k, v, table, plan), *ref, F16)
+
+    # out with other strides (a slice of a wider buffer)
+    wide = cp.full((3, 40, 128), np.nan, dtype=cp.float16)
+    res, lse = cupaged.decode(q, k, v, table, plan, out=wide[:, 4:36], return_lse=True)
+    cp.cuda.runtime.deviceSynchronize()
+    assert res.data.ptr == wide[:, 4:36].data.ptr
+    check_close(res.get().astype(np.float64), lse.get().astype(np.float64), *ref, F16)
+    assert np.isnan(wide[:, :4].get()).all() and np.isnan(wide[:, 36:].get()).all()
+
+    # a q that is not 16-byte aligned: the kernels decline it (gather path)
+    buf = cp.empty(3 * 32 * 128 + 1, dtype=cp.float16)
+    q_odd = buf[1:].reshape(3, 32, 128)
+    q_odd[...] = q
+    assert cupaged.select_method(q_odd, k, v, table).method == "gather"
+    check_close(*_decode(q_odd, k, v, table, plan), *ref, F16)
+
+    # CUPAGED_DECODE set between calls: method="auto" must follow it
+    check_close(*_decode(q, k, v, table, plan), *ref, F16)
+    calls = []
+    import cupaged.gather as gather_module
+
+    real = gather_module.gather_decode
+    monkeypatch.setattr(gather_module, "gather_decode", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    monkeypatch.setenv("CUPAGED_DECODE", "gather")
+    check_close(*_decode(q, k, v, table, plan), *ref, F16)
+    assert calls == [1]
+    monkeypatch.delenv("CUPAGED_DECODE")
+
+    # a new table with the same lengths (so the plan matches) over other
+    # pages: the new table's pointers must be used
+    t2 = cupaged.PageTable.from_seq_lens(table.seq_lens, 16, page_ids=np.asarray(table.indices)[::-1].copy())
+    assert plan.matches(t2) and t2 is not table
+    check_close(*_decode(q, k, v, t2, plan), *reference.decode(*host, t2), F16)
+
+    # a cache of another shape (fewer pages) is checked again: page ids out of range
+    with pytest.raises(cupaged.PageTableError):
+        cupaged.decode(q, k[:2], v[:2], table, plan)
+
+
+def test_arrays_on_another_device_are_checked():
+    cp = _cp()
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs")
+    dev, table, host = batch(74, [100, 30, 70], mid_page=False)
+    q, k, v = dev
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16)
+    _decode(q, k, v, table, plan)
+    with cp.cuda.Device(1):
+        q1 = cp.asarray(host[0])
+    with pytest.raises(cupaged.DeviceMismatchError):
+        cupaged.decode(q1, k, v, table, plan)
