@@ -139,17 +139,17 @@ struct AttendScratch {
 };
 
 // Walks the visible slots [slot_begin, slot_end) of one request in windows of
-// WINDOW pages, shared by both attention cores: stages each window's
+// PAGE_WINDOW pages, shared by both attention cores: stages each window's
 // page ids in shared memory (page_ids[p - win] is page p's id) and calls
 // body(win, s0, s1) with the window's first page and its slot range. All
 // THREADS threads of the CTA call it.
-template <int THREADS, int WINDOW, typename Body>
+template <int THREADS, typename Body>
 __device__ __forceinline__ void for_each_page_window(const int* __restrict__ req_pages, int page_size,
                                                      int slot_begin, int slot_end, int* page_ids, Body&& body) {
   const int first_page = slot_begin / page_size;
   const int end_page = slot_end > slot_begin ? (slot_end + page_size - 1) / page_size : first_page;
-  for (int win = first_page; win < end_page; win += WINDOW) {
-    const int win_end = min(win + WINDOW, end_page);
+  for (int win = first_page; win < end_page; win += PAGE_WINDOW) {
+    const int win_end = min(win + PAGE_WINDOW, end_page);
     __syncthreads();  // the previous window's ids are no longer read
     for (int i = threadIdx.x; i < win_end - win; i += THREADS) page_ids[i] = req_pages[win + i];
     __syncthreads();
@@ -181,7 +181,6 @@ __device__ __forceinline__ void cta_attend(
   constexpr int UNROLL = Map::UNROLL;
   constexpr int STAGES = Pipeline<T, HEAD_DIM, HEADS>::STAGES;
   constexpr int TILE = NUM_WARPS * GPW * UNROLL;
-  constexpr bool WHOLE_LINES = HEAD_DIM * sizeof(T) % 128 == 0;  // rows of whole L2 lines: prefetch them
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / TPR, li = lane % TPR;
@@ -215,7 +214,7 @@ __device__ __forceinline__ void cta_attend(
   const long long v_head = (long long)kv_head * vs.head + (active ? Map::dim(li, 0) : 0);
   const int lane_offset = warp * GPW + group;  // this lane's token within a tile row
 
-  for_each_page_window<NUM_THREADS, PAGE_WINDOW>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
+  for_each_page_window<NUM_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
                                     [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + TILE - 1) / TILE;
 
@@ -239,8 +238,8 @@ __device__ __forceinline__ void cta_attend(
           }
 #pragma unroll
           for (int v = 0; v < VPT; ++v) {
-            cp_async_16<WHOLE_LINES>(&sm.ring[stage][u][v][0][tid], kp + v * ACTIVE * VEC, valid);
-            cp_async_16<WHOLE_LINES>(&sm.ring[stage][u][v][1][tid], vp + v * ACTIVE * VEC, valid);
+            cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * ACTIVE * VEC, valid);
+            cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * ACTIVE * VEC, valid);
           }
         }
       }

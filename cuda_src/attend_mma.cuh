@@ -98,10 +98,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem)
 #define CUPAGED_MMA_SMEM_KB 72
 #endif
 constexpr int MMA_SMEM_BYTES = CUPAGED_MMA_SMEM_KB * 1024;
-// Page ids staged per window: a window boundary drains the ring and waits on
-// a global load, so the tensor-core core takes 1024 pages (4 KB; at head_dim
-// 128 16-bit the 2-stage ring still fits) where the CUDA-core core takes 256.
-constexpr int MMA_PAGE_WINDOW = 1024;
 constexpr int MMA_MAX_STAGES = 8;
 
 // Shared-memory rows hold one token's head_dim of K or V in the cache's
@@ -111,7 +107,7 @@ struct MmaLayout {
   static constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(KV) + 16;
   static constexpr int CPR = HEAD_DIM * (int)sizeof(KV) / 16;  // 16-byte chunks per token row
   static constexpr int STAGE_BYTES = MMA_WARPS * 2 * MMA_TILE * ROW_BYTES;
-  static constexpr int BUDGET = MMA_SMEM_BYTES - MMA_PAGE_WINDOW * 4;
+  static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;
   static constexpr int STAGES = BUDGET / STAGE_BYTES < MMA_MAX_STAGES ? BUDGET / STAGE_BYTES : MMA_MAX_STAGES;
   static_assert(STAGES >= 2, "the K/V ring needs two stages: raise CUPAGED_MMA_SMEM_KB");
   static_assert(HEAD_DIM % 32 == 0 && (MMA_TILE * CPR) % 32 == 0, "unsupported HEAD_DIM");
@@ -120,7 +116,7 @@ struct MmaLayout {
 template <typename T, typename KV, int HEAD_DIM, int HEADS>
 struct MmaScratch {
   using L = MmaLayout<KV, HEAD_DIM>;
-  int page_ids[MMA_PAGE_WINDOW];
+  int page_ids[PAGE_WINDOW];
   union __align__(16) {
     unsigned char kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW_BYTES];  // [stage][warp][K or V][token][bytes]
     WarpStates<MMA_WARPS, HEADS, HEAD_DIM> combine;
@@ -201,12 +197,14 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(KV);
   constexpr int PASSES = MMA_TILE * CPR / 32;            // chunks each lane copies per tile
   constexpr int CTA_TILE = MMA_WARPS * MMA_TILE;
-  constexpr bool WHOLE_LINES = HEAD_DIM * sizeof(KV) % 128 == 0;  // rows of whole L2 lines: prefetch them
+  // The L2::128B prefetch hint for 16-bit rows of whole lines: +2 % at
+  // 128 x 32k fp16 on the H200; for fp8 it cost 12 % at 8 x 32k and 32 x 4k.
+  constexpr bool L2_HINT = sizeof(KV) == 2 && HEAD_DIM * 2 % 128 == 0;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
 
-  for_each_page_window<MMA_THREADS, MMA_PAGE_WINDOW>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
+  for_each_page_window<MMA_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
                                     [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + CTA_TILE - 1) / CTA_TILE;
 
@@ -242,8 +240,8 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
             kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
             vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
           }
-          cp_async_16<WHOLE_LINES>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)], kp, valid);
-          cp_async_16<WHOLE_LINES>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)], vp, valid);
+          cp_async_16<L2_HINT>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)], kp, valid);
+          cp_async_16<L2_HINT>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)], vp, valid);
         }
       }
       cp_async_commit();

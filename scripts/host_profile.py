@@ -1,11 +1,9 @@
+#!/usr/bin/env python3
 """Where the host time of one ``cupaged.decode`` call goes (held plan, ``out``
 given, no graph): the median of N calls with the same arrays, of N calls
 rotating through several layers' caches with a new q and out each (a serving
 step), and of the bare driver launch; then a cProfile of the first kind of
 call sorted by own time. Exit status: 0 ran, 3 no CUDA GPU.
-"""Where the host time of one ``cupaged.decode`` call goes (held plan, ``out``
-given, no graph): the median of N calls, then a cProfile of the same calls
-sorted by own time. Exit status: 0 ran, 3 no CUDA GPU.
 """
 
 from __future__ import annotations

@@ -122,10 +122,11 @@ def test_each_difference_takes_the_checked_path(monkeypatch):
     monkeypatch.delenv("CUPAGED_DECODE")
 
     # a new table with the same lengths (so the plan matches) over other
-    # pages: the new table's pointers must be used
+    # pages: the new table's pointers must be used (caches NaN where t2 cannot see)
     t2 = cupaged.PageTable.from_seq_lens(table.seq_lens, 16, page_ids=np.asarray(table.indices)[::-1].copy())
     assert plan.matches(t2) and t2 is not table
-    check_close(*_decode(q, k, v, t2, plan), *reference.decode(*host, t2), F16)
+    k2, v2 = make_caches(np.random.default_rng(75), t2, host[1].shape[0], 8, 128, F16)
+    check_close(*_decode(q, cp.asarray(k2), cp.asarray(v2), t2, plan), *reference.decode(host[0], k2, v2, t2), F16)
 
     # a cache of another shape (fewer pages) is checked again: page ids out of range
     with pytest.raises(cupaged.PageTableError):
