@@ -452,7 +452,10 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         plan: a :class:`DecodePlan` from :func:`plan_decode` for this table
             and shapes, held across decode steps while ``plan.matches(table)``.
             Built here when None (host cost every call). A plan owns its merge
-            workspace: order the calls that share a plan on one stream.
+            workspace: order the calls that share a plan on one stream. With a
+            held plan, a v2 call like the previous one (same table object,
+            shapes, strides, dtypes, device, method and sm_scale; no soft cap,
+            k/v scales or HND) skips the input checks and only swaps pointers.
         method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides; else v2),
             ``"v2"`` (split-KV, merge fused), ``"v1"`` (one CTA per request
             and query head) or ``"gather"`` (CuPy + cuBLAS). The kernels
