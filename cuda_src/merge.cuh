@@ -11,44 +11,53 @@ namespace cupaged {
 // v is [N, num_heads, head_dim] float32 and lse [N, num_heads] float32 (log2),
 // both contiguous. Loads go through L2 (ld.global.cg), so partials written by
 // other CTAs of the same launch are seen once they fenced. Partials with
-// lse = -inf contribute nothing and their v is not read; no finite partial
-// gives zeros and -inf.
+// lse = -inf contribute nothing (their v is ignored, whatever it holds); no
+// finite partial gives zeros and -inf.
+//
+// One pass with a running max (online softmax): each step issues BATCH lse
+// and BATCH v loads that depend on nothing, so a request of n chunks costs
+// ceil(n / BATCH) L2 round trips. (A max pass followed by lse-dependent v
+// loads cost three per step: ~3 us at 33 chunks, the tail of every split
+// decode.)
 __device__ __forceinline__ void merge_partials(const float* __restrict__ v, const float* __restrict__ lse,
                                                int n0, int n1, int num_heads, int head_dim, int h, int d,
                                                float4& o, float& lse_out) {
-  constexpr int BATCH = 8;  // independent loads in flight per pass
+  constexpr int BATCH = 8;
   float m = neg_inf();
-  for (int n = n0; n < n1; n += BATCH) {
-    float x[BATCH];
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b)
-      x[b] = n + b < n1 ? __ldcg(lse + (long long)(n + b) * num_heads + h) : neg_inf();
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) m = fmaxf(m, x[b]);
-  }
-  const float m_safe = m == neg_inf() ? 0.f : m;
   float denom = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int n = n0; n < n1; n += BATCH) {
-    float w[BATCH];
-    float4 x[BATCH];
+    float x[BATCH];
+    float4 y[BATCH];
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       const long long nh = (long long)(n + b) * num_heads + h;
-      w[b] = n + b < n1 ? fast_exp2(__ldcg(lse + nh) - m_safe) : 0.f;
-      x[b] = w[b] > 0.f ? __ldcg(reinterpret_cast<const float4*>(v + nh * head_dim + d))
-                        : make_float4(0.f, 0.f, 0.f, 0.f);
+      const bool in = n + b < n1;
+      x[b] = in ? __ldcg(lse + nh) : neg_inf();
+      y[b] = in ? __ldcg(reinterpret_cast<const float4*>(v + nh * head_dim + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
+    float m_new = m;
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) m_new = fmaxf(m_new, x[b]);
+    if (m_new == neg_inf()) continue;  // nothing finite yet
+    const float r = fast_exp2(m - m_new);  // m = -inf -> 0; m == m_new -> 1
+    acc.x *= r; acc.y *= r; acc.z *= r; acc.w *= r;
+    denom *= r;
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
-      acc.x = fmaf(w[b], x[b].x, acc.x); acc.y = fmaf(w[b], x[b].y, acc.y);
-      acc.z = fmaf(w[b], x[b].z, acc.z); acc.w = fmaf(w[b], x[b].w, acc.w);
-      denom += w[b];
+      const bool live = x[b] != neg_inf();
+      const float w = live ? fast_exp2(x[b] - m_new) : 0.f;
+      if (live) {  // a dead partial's v may be anything (NaN, inf): never multiply it
+        acc.x = fmaf(w, y[b].x, acc.x); acc.y = fmaf(w, y[b].y, acc.y);
+        acc.z = fmaf(w, y[b].z, acc.z); acc.w = fmaf(w, y[b].w, acc.w);
+      }
+      denom += w;
     }
+    m = m_new;
   }
   const float inv = denom > 0.f ? 1.f / denom : 0.f;
   o = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-  lse_out = denom > 0.f ? m_safe + fast_log2(denom) : neg_inf();
+  lse_out = denom > 0.f ? m + fast_log2(denom) : neg_inf();
 }
 
 }  // namespace cupaged

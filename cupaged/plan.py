@@ -31,6 +31,8 @@ from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, 
 __all__ = [
     "MAX_HEADS_PER_CTA",
     "CTAS_PER_SM",
+    "LONG_CHUNK_TOKENS",
+    "SPLIT_LIMIT",
     "DEFAULT_NUM_SMS",
     "MAX_GRID_X",
     "MAX_GRID_YZ",
@@ -54,14 +56,22 @@ __all__ = [
 
 #: Most query heads one CTA serves (its q-head group).
 MAX_HEADS_PER_CTA = 8
-#: The default chunk size (``default_pages_per_chunk``) searches with a
-#: target of CTAS_PER_SM CTAs per SM; chunks never drop below
-#: MIN_CHUNK_TOKENS. Fitted to scripts/autotune.py's sweep of every power of
-#: two on the H200 (4-warp tensor-core kernel, 2026-11-29): geometric mean
-#: 1.009x the per-cell best over 12 cells (batch 1-128, ctx 1k-32k), worst
-#: 1.08x. (An earlier rule that split long chunks over more waves no longer
-#: gained anything and was dropped.)
-CTAS_PER_SM = 1.5
+#: CTAs one SM holds at once (the tensor-core kernel: 128 threads and 72 KB of
+#: shared memory each, 2 per SM), so ``CTAS_PER_SM * num_sms`` CTAs are one
+#: wave: the default chunk size (``default_pages_per_chunk``) fills at most
+#: one wave, as evenly as the chunk count allows.
+CTAS_PER_SM = 2
+#: ... unless that split needs more than SPLIT_LIMIT chunks for a request and
+#: its chunks are shorter than LONG_CHUNK_TOKENS: then the merge tail and the
+#: per-CTA fixed costs outweigh the second CTA per SM, and the default takes
+#: at most one CTA per SM instead. Chunks never drop below MIN_CHUNK_TOKENS.
+#: Fitted to a sweep of chunk sizes on the H200 (2026-11-29; fp16, 32q/8kv
+#: D128, 64q/8kv, 32q/32kv and D64; docs/architecture.md "Chunk sizes: one
+#: wave"): e.g. batch 1 ctx 131072: 264 CTAs 141 us vs 200 CTAs 146; batch 4
+#: ctx 32768: 256 CTAs 139.5 vs 224 143.4; batch 1 ctx 4096: 128 CTAs 10.3 vs
+#: 256 CTAs 11.2.
+SPLIT_LIMIT = 16
+LONG_CHUNK_TOKENS = 1024
 MIN_CHUNK_TOKENS = 128
 #: SM count used when neither the argument, a device nor the env var gives one
 #: (an NVIDIA H200 has 132 SMs).
@@ -204,10 +214,11 @@ def heads_per_cta(group_size: int) -> int:
 
 
 def default_target_ctas(num_sms: int) -> int:
-    """Default CTA count to saturate a device: ``CTAS_PER_SM * num_sms``.
+    """CTAs of one wave on a device: ``CTAS_PER_SM * num_sms``, the most the
+    default chunk size plans for.
 
     >>> default_target_ctas(132)   # H200
-    198
+    264
     """
     return max(1, int(CTAS_PER_SM * _positive_int(num_sms, "num_sms")))
 
@@ -272,6 +283,21 @@ def choose_pages_per_chunk(request_pages: Any, ctas_per_chunk: int,
     return lo
 
 
+def _smallest_c_within(pages: np.ndarray, cpc: int, limit: int) -> int:
+    """Smallest ``c`` in ``[1, max(1, max pages)]`` with
+    ``num_chunks(pages, c) * cpc <= limit``; the largest ``c`` (one chunk
+    per request) when no ``c`` fits. Feasible ``c`` form a suffix
+    (``num_chunks`` is non-increasing), so a binary search finds it."""
+    lo, hi = 1, max(1, int(pages.max()) if pages.size else 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(_chunks_per_request(pages, mid).sum()) * cpc <= limit:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 # --------------------------------------------------------------------------
 # device / environment
 # --------------------------------------------------------------------------
@@ -280,38 +306,57 @@ _SM_CACHE: dict[int, int] = {}
 
 def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: int,
                             page_size: int) -> int:
-    """The default chunk size, calibrated by the autotuner on the H200.
+    """The default chunk size, calibrated on the H200.
 
-    1. ``c = choose_pages_per_chunk(pages, ctas_per_chunk, default_target_ctas(num_sms))``:
-       the largest chunk that still gives ~1.5 CTAs per SM. Small and medium
-       batches win with few, long-enough chunks: each CTA has a fixed cost
-       (query, page ids, pipeline fill, merge) that many tiny chunks multiply.
-    2. Never below ``MIN_CHUNK_TOKENS`` tokens per chunk (capped at the
+    1. One wave: the smallest ``c`` with at most ``default_target_ctas(num_sms)``
+       (2 per SM) CTAs. Every CTA of a split has the same work, so the
+       kernel ends with its busiest SM: a grid between one and two CTAs per
+       SM leaves some SMs doubled and the rest half idle, and a grid past one
+       wave adds a partial second wave. A batch that needs more than one wave
+       unsplit is not split.
+    2. Fewer, longer chunks for a short request: when that split gives some
+       request more than ``SPLIT_LIMIT`` chunks of under
+       ``LONG_CHUNK_TOKENS`` tokens, the smallest ``c`` with at most one CTA
+       per SM instead (each CTA has a fixed cost -- query, page ids,
+       pipeline fill, partial write -- and the last one merges every chunk).
+    3. Never below ``MIN_CHUNK_TOKENS`` tokens per chunk (capped at the
        longest request).
-    3. Even out the longest request's chunks at the same chunk count (a
-       search can return 255 of 256 pages, leaving a 1-page straggler).
+    4. Even out the longest request's chunks at the same chunk count (a
+       search can return 255 of 256 pages, leaving a 1-page straggler), when
+       that adds no chunk to another request.
 
     Worked examples (132 SMs, page 16, 8 kv heads x 1 q group = 8 CTAs/chunk):
 
-    >>> default_pages_per_chunk([64], 8, 132, 16)           # batch 1, ctx 1024
+    >>> default_pages_per_chunk([8192], 8, 132, 16)         # batch 1, ctx 131072: 33 chunks, 264 CTAs
+    249
+    >>> default_pages_per_chunk([2048] * 4, 8, 132, 16)     # batch 4, ctx 32768: 8 chunks each, 256 CTAs
+    256
+    >>> default_pages_per_chunk([256], 8, 132, 16)          # batch 1, ctx 4096: 16 chunks, 128 CTAs
+    16
+    >>> default_pages_per_chunk([64], 8, 132, 16)           # batch 1, ctx 1024: 128 tokens a chunk
     8
-    >>> default_pages_per_chunk([2048] * 8, 8, 132, 16)     # batch 8, ctx 32768
-    512
     >>> default_pages_per_chunk([256] * 128, 8, 132, 16)    # batch 128, ctx 4096: no split
     256
 
-    Measured (fp16, 32q/8kv, D 128; µs under graph replay, best of all powers
-    of two, docs/benchmarks/autotune-h200-2026-11-29.csv): batch 1 ctx 1024:
-    c=8 7.4; batch 8 ctx 32768: c=512 265.8; batch 128 ctx 1024: no split 138.5.
+    Measured (fp16, 32q/8kv, D 128, page 16; µs under graph replay, H200,
+    2026-11-29, docs/architecture.md "Chunk sizes: one wave"): batch 1 ctx
+    131072: c=249 141.2 (c=328, the previous 1.5-per-SM default, 145.6);
+    batch 4 ctx 32768: c=256 139.5 (c=293: 143.4); batch 1 ctx 4096: c=16
+    10.3 (c=8, 256 CTAs: 11.2).
     """
     pages = _request_pages(request_pages)
     per_chunk = _positive_int(ctas_per_chunk, "ctas_per_chunk")
     sms = _positive_int(num_sms, "num_sms")
     p = _positive_int(page_size, "page_size")
     longest = max(1, int(pages.max(initial=1)))
-    c = choose_pages_per_chunk(pages, per_chunk, default_target_ctas(sms))
+    c = _smallest_c_within(pages, per_chunk, default_target_ctas(sms))
+    if -(-longest // c) > SPLIT_LIMIT and c * p < LONG_CHUNK_TOKENS:
+        c = _smallest_c_within(pages, per_chunk, sms)
     c = min(max(c, -(-MIN_CHUNK_TOKENS // p)), longest)
-    return -(-longest // -(-longest // c))
+    even = -(-longest // -(-longest // c))
+    # (evening out must not give a shorter request one more chunk: the grid
+    # would outgrow the wave it was sized for)
+    return even if num_chunks(pages, even) == num_chunks(pages, c) else c
 
 
 def deterministic_pages_per_chunk(page_size: int) -> int:

@@ -106,9 +106,9 @@ def test_heads_per_cta_rejects(bad):
 
 
 def test_default_target_ctas():
-    assert CTAS_PER_SM == 1.5
-    assert default_target_ctas(132) == 198
-    assert default_target_ctas(np.int64(1)) == 1
+    assert CTAS_PER_SM == 2
+    assert default_target_ctas(132) == 264
+    assert default_target_ctas(np.int64(1)) == 2
     with pytest.raises(ValueError, match="num_sms"):
         default_target_ctas(0)
 
@@ -355,13 +355,13 @@ def test_plan_uses_choose_pages_per_chunk():
 def test_env_num_sms(no_device, monkeypatch):
     rng = np.random.default_rng(11)
     t = table_from_pages(rng, [400, 3])
-    assert plan_decode(t, 8, 8, 64, "float16").target_ctas == 198
+    assert plan_decode(t, 8, 8, 64, "float16").target_ctas == 264
     monkeypatch.setenv("CUPAGED_NUM_SMS", "10")           # read at call time
     p = plan_decode(t, 8, 8, 64, "float16")
-    assert p.target_ctas == 15
+    assert p.target_ctas == 20
     assert p.pages_per_chunk == plan_mod.default_pages_per_chunk([400, 3], 8, 10, t.page_size)
     # the argument beats the env variable
-    assert plan_decode(t, 8, 8, 64, "float16", num_sms=20).target_ctas == 30
+    assert plan_decode(t, 8, 8, 64, "float16", num_sms=20).target_ctas == 40
     monkeypatch.setenv("CUPAGED_NUM_SMS", "zero")
     with pytest.raises(ValueError, match="CUPAGED_NUM_SMS"):
         plan_decode(t, 8, 8, 64, "float16")
@@ -376,7 +376,7 @@ def test_device_sm_count_beats_env(monkeypatch):
     monkeypatch.delenv("CUPAGED_TARGET_CTAS", raising=False)
     assert plan_mod.resolve_num_sms() == 100
     assert plan_mod.resolve_num_sms(7) == 7
-    assert plan_mod.resolve_target_ctas() == 150
+    assert plan_mod.resolve_target_ctas() == 200
 
 
 def test_device_num_sms_without_gpu_is_none_or_positive():
@@ -518,24 +518,59 @@ def test_plan_direct_construction_copies_arrays():
     assert p.grid == (3, 1, 1) and p.dtype == np.dtype(np.float16)
 
 
+def smallest_c_within(request_pages, ctas_per_chunk, limit):
+    """Brute force: smallest c whose chunks give at most ``limit`` CTAs,
+    else one chunk per request."""
+    pages = np.asarray(request_pages, dtype=np.int64)
+    maxp = max(1, int(pages.max()))
+    for c in range(1, maxp + 1):
+        if sum(max(1, -(-int(p) // c)) for p in pages) * ctas_per_chunk <= limit:
+            return c
+    return maxp
+
+
 def test_default_pages_per_chunk_rules():
     def even(longest, c):  # same chunk count for the longest request, even chunks
         return -(-longest // -(-longest // c))
 
-    # light target first: batch 4, ctx 4096 (256 pages), 8 CTAs/chunk, 132 SMs
-    assert plan_mod.default_pages_per_chunk([256] * 4, 8, 132, 16) == even(256, brute_force_c([256] * 4, 8, 198))
-    # long requests use the same target
-    c = plan_mod.default_pages_per_chunk([1024] * 8, 8, 132, 16)
-    assert c == even(1024, brute_force_c([1024] * 8, 8, 198))
-    # a batch that already fills the device is not split
+    # one wave (2 CTAs per SM): batch 4, ctx 32768 -> 8 chunks of 256 pages, 256 CTAs
+    assert plan_mod.default_pages_per_chunk([2048] * 4, 8, 132, 16) == 256
+    # batch 1, ctx 131072: 33 chunks (264 CTAs) of 4096 tokens, evened out
+    assert plan_mod.default_pages_per_chunk([8192], 8, 132, 16) == even(8192, smallest_c_within([8192], 8, 264)) == 249
+    # many short chunks for one request (33 of 128 tokens) -> at most one CTA per SM
+    assert smallest_c_within([256], 8, 264) == 8
+    assert plan_mod.default_pages_per_chunk([256], 8, 132, 16) == smallest_c_within([256], 8, 132) == 16
+    # ... but not when the wave's chunks are long (1024 tokens) or few (8 per request)
+    assert plan_mod.default_pages_per_chunk([4096], 8, 132, 16) == smallest_c_within([4096], 8, 264) == 125
+    assert plan_mod.default_pages_per_chunk([2048], 8, 132, 16) == 128  # 33 x 1008 tokens: one per SM
+    assert plan_mod.default_pages_per_chunk([64] * 4, 8, 132, 16) == 8
+    # MHA, ctx 16384: 32 kv heads = 32 CTAs per chunk -> 8 chunks of 128 pages
+    assert plan_mod.default_pages_per_chunk([1024], 32, 132, 16) == 128
+    # a batch that already fills a wave is not split
     assert plan_mod.default_pages_per_chunk([256] * 128, 8, 132, 16) == 256
+    assert plan_mod.default_pages_per_chunk([256] * 34, 8, 132, 16) == 256
     # never below MIN_CHUNK_TOKENS, never above the longest request
     assert plan_mod.default_pages_per_chunk([64], 8, 132, 16) == 128 // 16
     assert plan_mod.default_pages_per_chunk([2], 8, 132, 16) == 2
     assert plan_mod.default_pages_per_chunk([1000], 8, 132, 1) == 125  # 128 floored, evened to 8 x 125
+    assert plan_mod.default_pages_per_chunk([0, 0], 8, 132, 16) == 1
+    # ragged batches: within one wave, and the result is a chunk size the rules allow
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        pages = rng.integers(0, 3000, size=int(rng.integers(1, 40)))
+        cpc = int(rng.choice([4, 8, 32]))
+        c = plan_mod.default_pages_per_chunk(pages, cpc, 132, 16)
+        longest = max(1, int(pages.max()))
+        wave = smallest_c_within(pages, cpc, 264)
+        one = smallest_c_within(pages, cpc, 132)
+        pick = one if -(-longest // wave) > plan_mod.SPLIT_LIMIT and wave * 16 < plan_mod.LONG_CHUNK_TOKENS else wave
+        pick = min(max(pick, 8), longest)
+        evened = even(longest, pick)
+        assert c == (evened if num_chunks(pages, evened) == num_chunks(pages, pick) else pick), (pages.tolist(), cpc)
+        assert num_chunks(pages, c) * cpc <= max(264, len(pages) * cpc)  # never past one wave
     # plan_decode uses it unless a target or a chunk size is given
     t = table_from_pages(np.random.default_rng(3), [1024] * 8)
-    assert plan_decode(t, 64, 8, 128, "float16", num_sms=132).pages_per_chunk == c
+    assert plan_decode(t, 64, 8, 128, "float16", num_sms=132).pages_per_chunk == 256
 
 
 # --------------------------------------------------------------------------
