@@ -669,6 +669,7 @@ class _PlanBuffers:
             driver.funcSetAttribute(self.function, _MAX_DYNAMIC_SMEM_ATTR, self.smem)
         self.grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
         self.block = (threads, 1, 1)
+        self._head = (self.function, *self.grid, *self.block, self.smem)  # cuLaunchKernel's leading arguments
 
         self.slots = (ctypes.c_uint64 * len(_V2_ARGS))()
         base = ctypes.addressof(self.slots)
@@ -695,9 +696,7 @@ class _PlanBuffers:
         """Launches with new array pointers, every other slot as last launched."""
         s = self.slots
         s[_Q], s[_K], s[_V], s[_O], s[_LSE] = q, k, v, out, lse
-        g, b = self.grid, self.block
-        self._launch(self.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
-                     self._current_stream().ptr, self.params_ptr, 0)
+        self._launch(*self._head, self._current_stream().ptr, self.params_ptr, 0)
 
     def launch(self, q, k_cache, v_cache, table, scores: ScoreArgs, out, lse) -> None:
         s = self.slots
@@ -717,9 +716,7 @@ class _PlanBuffers:
                           0 if ka is None else ka.data.ptr, 0 if va is None else va.data.ptr)
             self.scores = scores  # keeps the per-head arrays alive while their pointers are in the slots
         s[_OUT] = (out.data.ptr, os_[0] // isz, os_[1] // isz, 0 if lse is None else lse.data.ptr)
-        g, b = self.grid, self.block
-        self._launch(self.function, g[0], g[1], g[2], b[0], b[1], b[2], self.smem,
-                     self._current_stream().ptr, self.params_ptr, 0)
+        self._launch(*self._head, self._current_stream().ptr, self.params_ptr, 0)
 
 
 _MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -736,6 +733,21 @@ def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
     return buf
 
 
+# os.environ.get costs ~0.7 us when the variable is unset (a KeyError raised
+# and caught inside os.environ), a tenth of the hot path: it compares the
+# variable's raw value in the mapping behind os.environ instead, which every
+# os.environ assignment updates (CPython; elsewhere, the public call).
+try:
+    _ENV_DATA, _ENV_METHOD_KEY = os.environ._data, os.environ.encodekey(ENV_METHOD)  # type: ignore[attr-defined]
+
+    def _env_method_raw():
+        return _ENV_DATA.get(_ENV_METHOD_KEY)
+except AttributeError:  # pragma: no cover (not CPython)
+    def _env_method_raw():
+        return os.environ.get(ENV_METHOD)
+_NO_ENV = object()  # the record of a call whose method was not "auto"
+
+
 class _HotCall:
     """What one fully checked v2 call looked like, so that the next call of the
     same kind (a serving loop: per layer a new q, out and layer cache of the
@@ -750,7 +762,7 @@ class _HotCall:
         import cupy
 
         self.table, self.method, self.sm_scale = table, method, sm_scale
-        self.env = os.environ.get(ENV_METHOD, "auto") if method == "auto" else None
+        self.env = _env_method_raw() if method == "auto" else _NO_ENV
         self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
         self.get_device = cupy.cuda.runtime.getDevice
         self.device = q.data.device_id
@@ -767,7 +779,7 @@ class _HotCall:
                 or type(v) is not nd or (sm_scale is not self.sm_scale and (
                     type(sm_scale) is not float or sm_scale != self.sm_scale))):
             return None
-        if self.env is not None and os.environ.get(ENV_METHOD, "auto") != self.env:
+        if self.env is not _NO_ENV and _env_method_raw() != self.env:
             return None
         q_shape = q.shape
         if ((q_shape, q.strides, q.dtype) != self.q_meta or (k.shape, k.strides, k.dtype) != self.kv_meta
