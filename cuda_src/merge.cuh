@@ -5,7 +5,7 @@
 
 namespace cupaged {
 
-// Merges partials n in [n0, n1) of head h, dims [d, d + 4):
+// Merges partials n in [n0, n1) of head h, dims [d, d + 4) (returns o and lse_out):
 //   M = max_n lse[n,h];  w_n = exp2(lse[n,h] - M);  W = sum_n w_n
 //   o = sum_n w_n * v[n,h,d:d+4] / W;  lse_out = M + log2(W)
 // v is [N, num_heads, head_dim] float32 and lse [N, num_heads] float32 (log2),
@@ -19,9 +19,17 @@ namespace cupaged {
 // ceil(n / BATCH) L2 round trips. (A max pass followed by lse-dependent v
 // loads cost three per step: ~3 us at 33 chunks, the tail of every split
 // decode.)
-__device__ __forceinline__ void merge_partials(const float* __restrict__ v, const float* __restrict__ lse,
-                                               int n0, int n1, int num_heads, int head_dim, int h, int d,
-                                               float4& o, float& lse_out) {
+// Not inlined: inlined into the partial kernel, this loop changed how ptxas
+// scheduled the attention loop, which ran 6-8 % slower on unsplit cells
+// (batch 128, ctx 4k/16k; H200 A/B, 2026-11-29); as a call it leaves that
+// loop as it was. The result comes back by value (a reference would put the
+// caller's variables on the stack).
+struct Merged {
+  float4 o;
+  float lse;
+};
+__device__ __noinline__ Merged merge_partials(const float* __restrict__ v, const float* __restrict__ lse,
+                                              int n0, int n1, int num_heads, int head_dim, int h, int d) {
   constexpr int BATCH = 8;
   float m = neg_inf();
   float denom = 0.f;
@@ -56,8 +64,8 @@ __device__ __forceinline__ void merge_partials(const float* __restrict__ v, cons
     m = m_new;
   }
   const float inv = denom > 0.f ? 1.f / denom : 0.f;
-  o = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-  lse_out = denom > 0.f ? m + fast_log2(denom) : neg_inf();
+  return Merged{make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
+                denom > 0.f ? m + fast_log2(denom) : neg_inf()};
 }
 
 }  // namespace cupaged

@@ -7,8 +7,8 @@
 // Each partial must already be normalized by its own softmax denominator and
 // its LSE must be in log2 units; lse_out is log2 too, so merges chain and the
 // result is associative under regrouping (up to rounding).
-// Edge behaviour: a partial with lse = -inf contributes nothing (its v is not
-// read); a row with no finite partial (or none at all) gets zeros and -inf.
+// Edge behaviour: a partial with lse = -inf contributes nothing (its v is
+// ignored); a row with no finite partial (or none at all) gets zeros and -inf.
 //
 // Grid: x = output row (M rows), y = ceil(num_heads / HEADS_PER_CTA).
 // Block: 128 threads; HEAD_DIM / 4 threads per head, each owning 4 dims;
@@ -38,13 +38,11 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_states(
   const int d = (threadIdx.x % THREADS_PER_HEAD) * 4;
   // (head_dim 96: 5 heads of 24 threads, the last 8 threads idle)
   if (h >= num_heads || threadIdx.x >= HEADS_PER_CTA * THREADS_PER_HEAD) return;
-  float4 o;
-  float lse_row;
-  merge_partials(v, lse, o_indptr[row], o_indptr[row + 1], num_heads, HEAD_DIM, h, d, o, lse_row);
+  const Merged r = merge_partials(v, lse, o_indptr[row], o_indptr[row + 1], num_heads, HEAD_DIM, h, d);
   OUT_T* out = v_out + row * stride_o_row + h * stride_o_head + d;
-  Storage<OUT_T>::store(out, o.x); Storage<OUT_T>::store(out + 1, o.y);
-  Storage<OUT_T>::store(out + 2, o.z); Storage<OUT_T>::store(out + 3, o.w);
-  if (lse_out != nullptr && d == 0) lse_out[(long long)row * num_heads + h] = lse_row;
+  Storage<OUT_T>::store(out, r.o.x); Storage<OUT_T>::store(out + 1, r.o.y);
+  Storage<OUT_T>::store(out + 2, r.o.z); Storage<OUT_T>::store(out + 3, r.o.w);
+  if (lse_out != nullptr && d == 0) lse_out[(long long)row * num_heads + h] = r.lse;
 }
 
 }  // namespace cupaged

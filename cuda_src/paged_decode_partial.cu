@@ -157,12 +157,10 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   constexpr int D4 = HEAD_DIM / 4;
   for (int item = threadIdx.x; item < HEADS * D4; item += Attn::THREADS) {
     const int h = item / D4, d = (item % D4) * 4;
-    float4 o;
-    float lse_h;
-    merge_partials(partial_v, partial_lse, chunk0, chunk0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d,
-                   o, lse_h);
-    EmitStrided<T>{out, stride_o_head, lse_out}.value(h, d, o);
-    if (d == 0 && lse_out != nullptr) lse_out[h] = lse_h;
+    const Merged r =
+        merge_partials(partial_v, partial_lse, chunk0, chunk0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d);
+    EmitStrided<T>{out, stride_o_head, lse_out}.value(h, d, r.o);
+    if (d == 0 && lse_out != nullptr) lse_out[h] = r.lse;
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }
