@@ -66,10 +66,10 @@ CTAS_PER_SM = 2
 #: per-CTA fixed costs outweigh the second CTA per SM, and the default takes
 #: at most one CTA per SM instead. Chunks never drop below MIN_CHUNK_TOKENS.
 #: Fitted to a sweep of chunk sizes on the H200 (2026-11-29; fp16, 32q/8kv
-#: D128, 64q/8kv, 32q/32kv and D64; docs/architecture.md "Chunk sizes: one
-#: wave"): e.g. batch 1 ctx 131072: 264 CTAs 141 us vs 200 CTAs 146; batch 4
-#: ctx 32768: 256 CTAs 139.5 vs 224 143.4; batch 1 ctx 4096: 128 CTAs 10.3 vs
-#: 256 CTAs 11.2.
+#: D128, 64q/8kv, 32q/32kv and D64; scripts/chunk_sweep.py; docs/architecture.md
+#: "Chunk size: one wave"): e.g. batch 1 ctx 131072: 264 CTAs 141 us vs 200
+#: CTAs 146; batch 4 ctx 32768: 256 CTAs 139.5 vs 224 143.4; batch 1 ctx 4096:
+#: 128 CTAs 10.3 vs 256 CTAs 11.2.
 SPLIT_LIMIT = 16
 LONG_CHUNK_TOKENS = 1024
 MIN_CHUNK_TOKENS = 128
@@ -339,7 +339,7 @@ def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: in
     256
 
     Measured (fp16, 32q/8kv, D 128, page 16; µs under graph replay, H200,
-    2026-11-29, docs/architecture.md "Chunk sizes: one wave"): batch 1 ctx
+    2026-11-29, docs/architecture.md "Chunk size: one wave"): batch 1 ctx
     131072: c=249 141.2 (c=328, the previous 1.5-per-SM default, 145.6);
     batch 4 ctx 32768: c=256 139.5 (c=293: 143.4); batch 1 ctx 4096: c=16
     10.3 (c=8, 256 CTAs: 11.2).

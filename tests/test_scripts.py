@@ -1264,6 +1264,26 @@ def test_ab_sources_exit_codes():
 
 
 @pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
+def test_chunk_sweep_exit_codes():
+    res = _run("scripts/chunk_sweep.py", "--cells", "1x4096")
+    assert res.returncode == 3 and "no CUDA GPU" in res.stderr, res.stdout + res.stderr
+    assert _run("scripts/chunk_sweep.py", "--cells", "4").returncode == 2
+
+
+def test_chunk_sweep_cells_and_candidates():
+    chunk_sweep = importlib.import_module("chunk_sweep")
+    assert chunk_sweep.parse_cell("4x32768") == (4, 32768, 16, 32, 8, 128)
+    assert chunk_sweep.parse_cell("1X4096x16x64x8x64") == (1, 4096, 16, 64, 8, 64)
+    # batch 1, ctx 131072 at page 16, 8 CTAs per chunk: one candidate per CTA target
+    cs = chunk_sweep.candidates(8192, 1, 8, 249)
+    assert cs == sorted(set(cs)) and 249 in cs and 256 in cs
+    for c in cs:
+        assert 1 <= c <= 8192
+    ctas = {8 * -(-8192 // c) for c in cs}
+    assert {264, 256, 128, 792} <= ctas
+
+
+@pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
 def test_main_exits_3_in_process(capsys):
     for module, argv in ((correctness, []), (microbench, ["--quick"])):
         with pytest.raises(SystemExit) as e:
