@@ -65,6 +65,22 @@ their quantization error against the 16-bit v2 output. TB/s of the fp8
 methods count one byte per KV element. Writes ``microbench-fp8.{csv,md}``
 (:data:`FP8_CSV_COLUMNS`); the other modes' outputs are unchanged.
 
+``--lengths`` times ragged batches instead of the sweep: each cell is
+``BATCH:DISTRIBUTION[:SEED]`` (the distributions of scripts/_common.py:
+``lognormal:MEDIAN:SIGMA``, ``uniform:LO:HI``, ``bimodal:SHORT:LONG``,
+``onelong:LONG:SHORT``, ``zipf:A:UNIT:MAX``; the word ``family`` adds
+``_common.RAGGED_FAMILY``), under every ``--dtypes`` choice (``float16``,
+``bfloat16``, ``fp8`` = an e4m3 KV cache under a float16 query; default all
+three). Per cell: v2 with its default plan and FlashInfer-best on the same
+pools (pages in random order, 2x slack, rotated below 256 MiB), adaptive
+graph-replay timing as in ``--suite`` (``--reps`` default 5), v2's output
+checked against FlashInfer's, and the targets marked: FlashInfer-best / v2
+>= 1 in every cell, v2 >= 3.9 TB/s where the cell moves >= 256 MB of KV,
+geometric mean of FlashInfer-best / v2 >= 1.3. ``--budget-s`` (default 480)
+skips cells that would not fit. Writes ``ragged.{csv,meta.json,md,png}``
+(:data:`RAGGED_CSV_COLUMNS`, rewritten after every cell) and prints
+``SUMMARY`` lines last.
+
 Exit status: 0 ran, 1 a method failed in some cell (or the run was
 interrupted), 2 bad arguments, 3 no CUDA GPU on this machine (message on
 stderr).
@@ -281,6 +297,77 @@ FP8_HEADERS = {
     "v2_fp8_over_flashinfer_fp8": "v2/FI fp8",
 }
 
+#: ``--lengths``: ragged batches (``BATCH:DISTRIBUTION[:SEED]``, or ``family``
+#: = :data:`_common.RAGGED_FAMILY`), each timed under every ``--dtypes``
+#: choice. ``fp8`` = an e4m3 KV cache (uint8 bits) under a float16 query.
+RAGGED_FAMILY_WORD = "family"
+RAGGED_DTYPES = ("float16", "bfloat16", "fp8")
+RAGGED_SHORT = {"float16": "fp16", "bfloat16": "bf16", "fp8": "fp8"}
+RAGGED_METHODS = ("v2", "flashinfer")
+RAGGED_PAGE_SIZE = 16
+RAGGED_REPS = 5  # default --reps of a ragged run (adaptive: one where a repetition passes REP_CAP_US)
+RAGGED_BUDGET_S = 480.0  # default --budget-s of a ragged run (the alarm fires HARD_STOP_MARGIN_S later)
+RAGGED_JIT_ESTIMATE_S = 45.0  # first cell of a dtype: FlashInfer JIT (2 variants) + NVRTC
+#: Targets of a ragged run: v2 no slower than FlashInfer-best in every cell;
+#: v2 >= 3.9 TB/s where the cell moves >= 256 MB of KV; the geometric mean of
+#: FlashInfer-best / v2 over the cells >= 1.3.
+RAGGED_TARGET_RATIO = 1.0
+RAGGED_TARGET_TBPS = 3.9
+RAGGED_LARGE_KV_BYTES = 256e6
+RAGGED_GEOMEAN_TARGET = 1.3
+#: v2's output against FlashInfer's (max |v2 - FI| / max |v2|, the larger over
+#: FlashInfer's two variants): above this the cell counts as a failure.
+RAGGED_MAX_REL = 2e-2
+#: (column, short header, rule) of the ragged targets, in report order.
+RAGGED_TARGETS = (
+    ("target_no_slower", ">=FI", f"FlashInfer-best / v2 >= {RAGGED_TARGET_RATIO:g} (every cell)"),
+    ("target_tbs", f">={RAGGED_TARGET_TBPS:g}TB/s",
+     f"v2 >= {RAGGED_TARGET_TBPS:g} TB/s where the cell moves >= {RAGGED_LARGE_KV_BYTES / 1e6:.0f} MB of KV"),
+)
+#: CSV schema of ``--lengths`` (its own file; appended, never reordered).
+RAGGED_CSV_COLUMNS = (
+    "cell",
+    "batch",
+    "lengths",
+    "seed",
+    "dtype",
+    "kv_dtype",
+    "page_size",
+    "num_qo_heads",
+    "num_kv_heads",
+    "head_dim",
+    "total_tokens",
+    "min_len",
+    "median_len",
+    "max_len",
+    "kv_bytes",
+    "total_bytes",
+    "replicas",
+    "reps",
+    "v2_us",
+    "v2_spread",
+    "v2_tbps",
+    "v2_pct_roofline",
+    "v2_timing",
+    "flashinfer_us",
+    "flashinfer_variant",
+    "flashinfer_spread",
+    "flashinfer_tbps",
+    "flashinfer_timing",
+    "flashinfer_cuda_cores_us",
+    "flashinfer_tensor_cores_us",
+    "v2_over_flashinfer",
+    "max_rel_vs_fi",
+    "v2_pages_per_chunk",
+    "v2_num_chunks",
+    "v2_num_ctas",
+    "v2_needs_merge",
+    "v2_path",
+    "target_no_slower",
+    "target_tbs",
+    "wall_s",
+)
+
 
 # ----------------------------------------------------------------- arguments
 
@@ -292,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Lists accept spaces or commas. All requests use first_page_offset=0 (FlashInfer has none). "
         "--suite issue5 sweeps issue #5's cells and marks every target met or missed per cell; there the "
         "axis flags, --dtype and --methods filter the suite's cells and methods, and --iters/--host-iters "
-        "and the head flags are not used (timing adapts to each cell).",
+        "and the head flags are not used (timing adapts to each cell). --lengths times batches of unequal "
+        "request lengths (v2 against FlashInfer, per dtype) and marks its targets per cell.",
         epilog=_common.EXIT_CODES_EPILOG,
     )
     p.add_argument("--batch", nargs="+", help="batch sizes (default 1 4 8 32)")
@@ -335,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help=f"skip cells that would end after this many seconds (default {SUITE_BUDGET_S:.0f} with --suite, "
-        "else none; 0 = none); an alarm stops the run 25 s after it",
+        f"{RAGGED_BUDGET_S:.0f} with --lengths, else none; 0 = none); an alarm stops the run 25 s after it",
     )
     p.add_argument(
         "--kv-dtype",
@@ -350,13 +438,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"with --kv-dtype fp8: per-tensor k_scale = v_scale; the cache holds x / scale (default {FP8_SCALE})",
     )
+    p.add_argument(
+        "--lengths",
+        nargs="+",
+        metavar="CELL",
+        help="time batches of unequal request lengths instead of the batch x ctx sweep: each CELL is "
+        "BATCH:DISTRIBUTION[:SEED] (tokens per request drawn with SEED, default 0), the distribution one of "
+        "lognormal:MEDIAN:SIGMA, uniform:LO:HI, bimodal:SHORT:LONG, onelong:LONG:SHORT, zipf:A:UNIT:MAX; "
+        f"the word {RAGGED_FAMILY_WORD} adds the standard set of {len(_common.RAGGED_FAMILY)} cells. "
+        "Example: --lengths 64:lognormal:1024:1.2:1 family. Times v2 and FlashInfer (the faster of its two "
+        "decode kernels) per cell and dtype, pages in random order; --page-size takes one value (default "
+        f"{RAGGED_PAGE_SIZE}); writes ragged.{{csv,md,png}}",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        dest="ragged_dtypes",
+        metavar="DTYPE",
+        help="with --lengths: any of float16, bfloat16, fp8 (an fp8 e4m3 KV cache read by a float16 query); "
+        "default all three",
+    )
     p.add_argument("--commit", help="commit to print in the report (default: git rev-parse, else $CUPAGED_COMMIT)")
     p.add_argument(
         "--out-dir", default="microbench-out", help="folder for the default output paths (default ./microbench-out)"
     )
-    p.add_argument("--csv", help="CSV path (default OUT_DIR/microbench.csv; --suite: OUT_DIR/microbench-issue5.csv)")
-    p.add_argument("--md", help="markdown path (default OUT_DIR/microbench.md; --suite: ...-issue5.md)")
-    p.add_argument("--png", help="plot path (default OUT_DIR/microbench.png; --suite: ...-issue5.png)")
+    p.add_argument(
+        "--csv",
+        help="CSV path (default OUT_DIR/microbench.csv; --suite: OUT_DIR/microbench-issue5.csv; "
+        "--lengths: OUT_DIR/ragged.csv)",
+    )
+    p.add_argument("--md", help="markdown path (default OUT_DIR/microbench.md; --suite: ...-issue5.md; "
+                   "--lengths: OUT_DIR/ragged.md)")
+    p.add_argument("--png", help="plot path (default OUT_DIR/microbench.png; --suite: ...-issue5.png; "
+                   "--lengths: OUT_DIR/ragged.png)")
     return p
 
 
@@ -378,6 +492,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for d in args.dtypes or ():
         if d not in _common.DTYPE_NAMES:
             parser.error(f"--dtype {d}: choose from {', '.join(_common.DTYPE_NAMES)}")
+    _parse_ragged_args(parser, args, methods_given)
     if args.suite:
         if args.quick:
             parser.error("--quick and --suite do not combine")
@@ -410,7 +525,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--num-qo-heads must be a multiple of --num-kv-heads")
     _parse_fp8_args(parser, args, methods_given)
     out = Path(args.out_dir)
-    stem = f"microbench-{args.suite}" if args.suite else "microbench-fp8" if args.kv_dtype else "microbench"
+    if args.lengths:
+        stem = "ragged"
+    else:
+        stem = f"microbench-{args.suite}" if args.suite else "microbench-fp8" if args.kv_dtype else "microbench"
     args.csv = args.csv or str(out / f"{stem}.csv")
     args.md = args.md or str(out / f"{stem}.md")
     args.png = args.png or str(out / f"{stem}.png")
@@ -442,11 +560,84 @@ def _parse_fp8_args(parser: argparse.ArgumentParser, args: argparse.Namespace, m
         args.methods = ("v2", "flashinfer")
 
 
+def _parse_ragged_args(parser: argparse.ArgumentParser, args: argparse.Namespace, methods_given: bool) -> None:
+    """``--lengths`` / ``--dtypes``: ``args.lengths`` becomes a tuple of
+    ``(batch, spec, seed)`` (``family`` expanded to
+    :data:`_common.RAGGED_FAMILY`, in order), ``args.ragged_dtypes`` a tuple
+    of :data:`RAGGED_DTYPES` names, ``args.ragged_page_size`` an int; the
+    methods default to v2 and flashinfer, ``--reps`` to
+    :data:`RAGGED_REPS`, ``--budget-s`` to :data:`RAGGED_BUDGET_S`. Flags of
+    the other modes are refused (exit 2)."""
+    args.ragged_page_size = None
+    if args.lengths is None:
+        if args.ragged_dtypes is not None:
+            parser.error("--dtypes needs --lengths (the sweep takes --dtype)")
+        return
+    conflicts = (
+        ("--suite", args.suite),
+        ("--kv-dtype", args.kv_dtype),
+        ("--fp8-scale", args.fp8_scale),
+        ("--quick", args.quick),
+        ("--batch", args.batch),
+        ("--ctx", args.ctx),
+        ("--groups", args.groups),
+        ("--dtype", args.dtype),
+        ("--page-order reverse", args.page_order != "random"),
+    )
+    for flag, given in conflicts:
+        if given:
+            hint = " (choose dtypes with --dtypes; fp8 is one of them)" if flag in ("--dtype", "--kv-dtype") else ""
+            parser.error(f"--lengths and {flag} do not combine{hint}")
+    try:  # BATCH:DISTRIBUTION[:SEED], shared with chunk_sweep.py
+        from chunk_sweep import parse_ragged
+    except ImportError:  # imported as scripts.microbench
+        from scripts.chunk_sweep import parse_ragged
+
+    try:
+        texts = _common.parse_list(args.lengths, str)
+        dtypes = _common.parse_list(args.ragged_dtypes, str) or RAGGED_DTYPES
+    except ValueError as e:
+        parser.error(f"--lengths/--dtypes: {e}")
+    cells = []
+    for text in texts:
+        if text == RAGGED_FAMILY_WORD:
+            cells += [tuple(c) for c in _common.RAGGED_FAMILY]
+            continue
+        try:
+            batch, spec, seed = parse_ragged(text)
+            if seed < 0:
+                raise ValueError(f"seed must be >= 0, got {seed}")
+            _common.ragged_lengths(spec, batch, seed)  # e.g. uniform:5:5 has no values to draw
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(f"--lengths {text}: {e}")
+        cells.append((batch, spec, seed))
+    args.lengths = tuple(cells)
+    for d in dtypes:
+        if d not in RAGGED_DTYPES:
+            parser.error(f"--dtypes {d}: choose from {', '.join(RAGGED_DTYPES)}")
+    args.ragged_dtypes = tuple(dict.fromkeys(dtypes))  # in order, once each
+    if args.page_size is not None and len(args.page_size) != 1:
+        parser.error("--lengths takes one --page-size")
+    args.ragged_page_size = args.page_size[0] if args.page_size else RAGGED_PAGE_SIZE
+    if methods_given:
+        other = [m for m in args.methods if m not in RAGGED_METHODS]
+        if other:
+            parser.error(f"--lengths times v2 and flashinfer only, not {', '.join(other)}")
+    else:
+        args.methods = RAGGED_METHODS
+    if args.reps is None:
+        args.reps = RAGGED_REPS
+    if args.budget_s is None:
+        args.budget_s = RAGGED_BUDGET_S
+
+
 def sweep_axes(args: argparse.Namespace) -> dict:
     return _common.sweep_axes(QUICK_SWEEP if args.quick else DEFAULT_SWEEP, args, AXES)
 
 
 def cells(args: argparse.Namespace) -> list[dict]:
+    if args.lengths:
+        return ragged_cells(args)
     if args.suite:
         return suite_cells(args)
     axes = sweep_axes(args)
@@ -1723,11 +1914,637 @@ def main_suite(args: argparse.Namespace, argv=None) -> int:
     return 1 if failures or interrupted else 0
 
 
+# ---------------------------------------------------------- ragged batches
+
+
+def ragged_cells(args: argparse.Namespace) -> list[dict]:
+    """The ``--lengths`` cells in run order: every ``--dtypes`` choice (outer)
+    x every ragged cell (inner). Each is a dict: ``cell`` (label
+    ``BATCH:SPEC:SEED``), ``batch``, ``lengths`` (the distribution spec),
+    ``seed``, ``choice`` (the ``--dtypes`` word), ``dtype`` (q/out),
+    ``kv_dtype`` (cache), ``page_size``."""
+    out = []
+    for choice in args.ragged_dtypes:
+        dtype = "float16" if choice == "fp8" else choice
+        kv_dtype = FP8_KV_DTYPE if choice == "fp8" else choice
+        for batch, spec, seed in args.lengths:
+            out.append(
+                {
+                    "cell": f"{batch}:{spec}:{seed}",
+                    "batch": int(batch),
+                    "lengths": spec,
+                    "seed": int(seed),
+                    "choice": choice,
+                    "dtype": dtype,
+                    "kv_dtype": kv_dtype,
+                    "page_size": args.ragged_page_size,
+                }
+            )
+    return out
+
+
+def ragged_choice(row: dict) -> str:
+    """The ``--dtypes`` word of a row: ``fp8`` for an fp8 cache, else its dtype."""
+    return "fp8" if row.get("kv_dtype") == FP8_KV_DTYPE else str(row.get("dtype"))
+
+
+def ragged_label(cell: dict) -> str:
+    return f"{RAGGED_SHORT.get(cell['choice'], cell['choice'])} {cell['cell']}"
+
+
+def length_stats(seq_lens) -> dict:
+    """``total_tokens``, ``min_len``, ``median_len``, ``max_len`` of a batch.
+
+    >>> length_stats([1, 4, 10])
+    {'total_tokens': 15, 'min_len': 1, 'median_len': 4.0, 'max_len': 10}
+    """
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    return {
+        "total_tokens": int(lens.sum()),
+        "min_len": int(lens.min()),
+        "median_len": float(np.median(lens)),
+        "max_len": int(lens.max()),
+    }
+
+
+def estimate_ragged_cell_s(cell: dict, args: argparse.Namespace, jit_pending: bool) -> float:
+    """Rough wall time of one ragged cell, for the budget: fixed host cost,
+    filling the 16-bit pools (2x slack, rotated up to 256 MiB; fp8 converts
+    them once more), up to ``--reps`` ~2 ms repetitions plus warm-up and
+    capture per runner (v2 and FlashInfer's two variants), and the JIT when
+    the cell's dtype is new in this process.
+
+    Example: fp16 ``64:bimodal:256:16384`` (2.2 GB of KV) ~ 0.8 s; +45 s for
+    the first cell of a dtype.
+    """
+    lens = _common.ragged_lengths(cell["lengths"], cell["batch"], cell["seed"])
+    kv16 = 2 * int(lens.sum()) * args.num_kv_heads * args.head_dim * 2
+    kv = kv16 // 2 if cell["kv_dtype"] == FP8_KV_DTYPE else kv16
+    replicas = num_replicas(kv)
+    pools = 2 * replicas * kv16
+    est = 0.4 + pools / 40e9 * (2 if cell["kv_dtype"] == FP8_KV_DTYPE else 1)
+    call_us = kv / 3.0e12 * 1e6 + 15.0
+    graph = adaptive_graph_calls(call_us, replicas)
+    runner_us = args.reps * max(SAMPLE_US, graph * call_us) + (2 * replicas + 3 + 2 * graph) * call_us
+    est += (1 + 2 * ("flashinfer" in args.methods)) * runner_us * 1e-6
+    if jit_pending:
+        est += RAGGED_JIT_ESTIMATE_S
+    return est
+
+
+def run_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None):
+    """:func:`run_cell` of ``--lengths``: (row, failures, notes); GPU memory
+    released before returning, also when it raises."""
+    try:
+        return _measure_ragged_cell(cell, args, stream, flashinfer)
+    finally:
+        if flashinfer is not None and flashinfer.available:
+            flashinfer.torch.cuda.empty_cache()
+        _common.free_gpu_memory()
+
+
+def _measure_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None):
+    import cupaged
+
+    hq, hkv, head_dim = args.num_qo_heads, args.num_kv_heads, args.head_dim
+    dtype = _common.resolve_dtype(cell["dtype"])
+    fp8 = cell["kv_dtype"] == FP8_KV_DTYPE
+    seq_lens = _common.ragged_lengths(cell["lengths"], cell["batch"], cell["seed"])
+    layout = _common.lengths_layout(seq_lens, cell["page_size"], seed=cell["seed"])
+    kv16 = _common.kv_bytes(layout, hkv, head_dim, dtype.itemsize)
+    kv = _common.kv_bytes(layout, hkv, head_dim, 1) if fp8 else kv16
+    total = _common.decode_bytes(layout, hq, hkv, head_dim, dtype.itemsize) - kv16 + kv
+    replicas = num_replicas(kv)
+    batch = _common.make_device_batch(layout, hq, hkv, head_dim, dtype, seed=cell["seed"], replicas=replicas)
+    if fp8:  # the e4m3 copies replace the 16-bit caches (scale 1: no k_scale/v_scale to either side)
+        batch.caches = fp8_caches(batch.caches, dtype, 1.0)
+        _common.free_gpu_memory()
+    plan = cupaged.plan_decode(batch.table, hq, hkv, head_dim, dtype, kv_dtype=np.uint8 if fp8 else None)
+    row = {
+        "cell": cell["cell"],
+        "batch": cell["batch"],
+        "lengths": cell["lengths"],
+        "seed": cell["seed"],
+        "dtype": cell["dtype"],
+        "kv_dtype": cell["kv_dtype"],
+        "page_size": cell["page_size"],
+        "num_qo_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": head_dim,
+        **length_stats(seq_lens),
+        "kv_bytes": kv,
+        "total_bytes": total,
+        "replicas": replicas,
+        "reps": args.reps,
+        "v2_pages_per_chunk": int(plan.pages_per_chunk),
+        "v2_num_chunks": int(plan.num_chunks),
+        "v2_num_ctas": int(plan.num_ctas),
+        "v2_needs_merge": bool(plan.needs_merge),
+    }
+    failures, notes = [], []
+    anchor = None  # v2's output on replica 0: FlashInfer's outputs are compared with it
+    if "v2" in args.methods:
+        try:
+            sel = cupaged.select_method(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
+            row["v2_path"] = sel.method if sel.method == "v2" else f"{sel.method} ({sel.reason})"
+            if sel.method != "v2":
+                failures.append(f"v2 does not run its kernel here: {sel.reason}")
+        except Exception as e:
+            notes.append(f"v2 path not checked: {_short(e)}")
+        try:
+            with stream:
+                anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
+            stream.synchronize()
+        except Exception as e:
+            failures.append(f"v2 anchor: {_short(e)}")
+
+    runners = []
+    if "v2" in args.methods:
+        runners.append(cupaged_runner("v2", batch, plan, stream))
+    if "flashinfer" in args.methods:
+        if flashinfer is not None and flashinfer.available:
+            kw = dict(caches=batch.caches, kv_dtype=FP8_KV_DTYPE) if fp8 else {}
+            try:
+                runners += flashinfer.runners(batch, stream, **kw)
+            except Exception as e:
+                notes.append(f"flashinfer setup: {_short(e)}")
+        else:
+            row["flashinfer_timing"] = f"unavailable: {flashinfer.reason if flashinfer else 'not loaded'}"
+    for runner in runners:
+        if not runner.error:
+            prepare(runner, stream, 0, anchor, adaptive=True, reps=args.reps)
+    for rep in range(max([r.reps for r in runners] + [0])):
+        for runner in runners:  # interleaved within a repetition
+            if runner.error or rep >= runner.reps:
+                continue
+            try:
+                sample(runner, stream)
+            except Exception as e:
+                runner.error = _short(e)
+                runner.timing = f"error: {runner.error}"
+                _abort_capture(stream)
+    for runner in runners:
+        if runner.error:
+            (notes if runner.name.startswith("flashinfer") else failures).append(f"{runner.name}: {runner.error}")
+
+    results = {r.name: summarize_runner(r, total) for r in runners}
+    for name, _ in FLASHINFER_VARIANTS:
+        row[f"flashinfer_{name}_us"] = results.get(f"flashinfer_{name}", {}).get("us")
+    variant, best = _best_flashinfer(results, "flashinfer")
+    if best is not None:
+        results["flashinfer"] = best
+        row["flashinfer_variant"] = variant
+    for method in RAGGED_METHODS:
+        for key in ("us", "spread", "tbps", "timing"):
+            if key in results.get(method, {}):
+                row[f"{method}_{key}"] = results[method][key]
+    if "v2" in results:
+        row["v2_pct_roofline"] = results["v2"].get("pct_roofline")
+    for runner in runners:
+        key = "flashinfer" if runner.name == f"flashinfer_{row.get('flashinfer_variant')}" else runner.name
+        if key in RAGGED_METHODS and not runner.error:
+            row[f"{key}_timing"] = f"{row.get(f'{key}_timing', '')} <{schedule_text(runner)}>"
+    if row.get("v2_us") and row.get("flashinfer_us"):
+        row["v2_over_flashinfer"] = row["flashinfer_us"] / row["v2_us"]
+
+    # v2 against FlashInfer: the larger error over the variants goes in the CSV;
+    # the cell fails when v2 agrees with neither
+    errors = {
+        r.name: (r.max_rel_vs_v2 if math.isfinite(r.max_rel_vs_v2) else math.inf)
+        for r in runners
+        if r.name.startswith("flashinfer_") and r.max_rel_vs_v2 is not None
+    }
+    if errors:
+        row["max_rel_vs_fi"] = max(errors.values())
+        if min(errors.values()) > RAGGED_MAX_REL:
+            failures.append(
+                "v2 differs from FlashInfer: max_rel "
+                + ", ".join(f"{n} {_common.format_value(v)}" for n, v in errors.items())
+                + f" > {RAGGED_MAX_REL:g}"
+            )
+        elif max(errors.values()) > RAGGED_MAX_REL:
+            notes.append(
+                "FlashInfer's variants disagree: max_rel vs v2 "
+                + ", ".join(f"{n} {_common.format_value(v)}" for n, v in errors.items())
+            )
+    row.update(ragged_marks(row))
+    for runner in runners:
+        runner.graph = None  # graphs go before the memory they point into
+    return row, failures, notes
+
+
+def _number(row: dict, key: str) -> float | None:
+    """``row[key]`` as a float (CSV strings too); None when missing, empty or NaN."""
+    value = row.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(value) else value
+
+
+def _target_mark(applies: bool, ok: bool | None) -> str:
+    if not applies:
+        return ""
+    if ok is None:
+        return bench_report.UNMEASURED
+    return bench_report.MET if ok else bench_report.MISSED
+
+
+def ragged_marks(row: dict) -> dict:
+    """The ragged targets of one cell -> ``{target column: mark}`` (``met``,
+    ``missed``, ``not measured``, or empty where it does not apply).
+
+    >>> ragged_marks({"v2_us": 100.0, "flashinfer_us": 120.0, "v2_tbps": 3.7, "kv_bytes": 4e8})
+    {'target_no_slower': 'met', 'target_tbs': 'missed'}
+    >>> ragged_marks({"v2_us": 10.0, "kv_bytes": 1e8})
+    {'target_no_slower': 'not measured', 'target_tbs': ''}
+    """
+    v2, fi, tbps = _number(row, "v2_us"), _number(row, "flashinfer_us"), _number(row, "v2_tbps")
+    kv = _number(row, "kv_bytes") or 0.0
+    return {
+        "target_no_slower": _target_mark(True, None if not (v2 and fi) else fi / v2 >= RAGGED_TARGET_RATIO),
+        "target_tbs": _target_mark(kv >= RAGGED_LARGE_KV_BYTES, None if tbps is None else tbps >= RAGGED_TARGET_TBPS),
+    }
+
+
+def ragged_geomeans(rows: list[dict]) -> list[tuple[str, float | None, int]]:
+    """``[("all", geomean, cells), (choice, geomean, cells), ...]``: the
+    geometric mean of FlashInfer-best / v2 over every cell timed by both,
+    then per ``--dtypes`` choice in order of appearance."""
+    out = [("all", *bench_report.geomean_fi_over_v2(rows, main_only=False))]
+    for choice in dict.fromkeys(ragged_choice(r) for r in rows):
+        out.append((choice, *bench_report.geomean_fi_over_v2([r for r in rows if ragged_choice(r) == choice],
+                                                             main_only=False)))
+    return out
+
+
+def _geomean_mark(gm: float | None) -> str:
+    return "" if gm is None else bench_report.MET if gm >= RAGGED_GEOMEAN_TARGET else bench_report.MISSED
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    """A number with ``digits`` significant digits ("" for None/NaN)."""
+    if value is None or value == "":
+        return ""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    if math.isnan(value):
+        return ""
+    if math.isinf(value):
+        return "inf"
+    if abs(value) >= 10**digits:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def _show(mark: str) -> str:
+    return {bench_report.MET: "met", bench_report.MISSED: "**missed**", bench_report.UNMEASURED: "n/m"}.get(
+        mark or "", "–"
+    )
+
+
+RAGGED_CELL_HEADERS = (
+    "cell",
+    "batch",
+    "lengths",
+    "seed",
+    "tokens",
+    "min len",
+    "median len",
+    "max len",
+    "KV MB",
+    "v2 µs",
+    "v2 spread %",
+    "v2 TB/s",
+    "FI-best µs",
+    "FI variant",
+    "FI TB/s",
+    "FI/v2",
+    "max_rel vs FI",
+    "chunk pages",
+    "chunks",
+    "CTAs",
+    "≥FI",
+    f"≥{RAGGED_TARGET_TBPS:g} TB/s",
+)
+
+
+def _ragged_cell_line(row: dict) -> str:
+    kv = _number(row, "kv_bytes")
+    spread = _number(row, "v2_spread")
+    cells = [
+        str(row.get("cell", "")),
+        str(row.get("batch", "")),
+        str(row.get("lengths", "")),
+        str(row.get("seed", "")),
+        str(row.get("total_tokens", "")),
+        str(row.get("min_len", "")),
+        _fmt(row.get("median_len"), 6),
+        str(row.get("max_len", "")),
+        _fmt(None if kv is None else kv / 1e6),
+        _fmt(row.get("v2_us")),
+        _fmt(None if spread is None else 100.0 * spread, 2),
+        _fmt(row.get("v2_tbps"), 3),
+        _fmt(row.get("flashinfer_us")),
+        {"tensor_cores": "TC", "cuda_cores": "CC"}.get(str(row.get("flashinfer_variant") or ""), ""),
+        _fmt(row.get("flashinfer_tbps"), 3),
+        _fmt(row.get("v2_over_flashinfer"), 3),
+        _fmt(row.get("max_rel_vs_fi"), 2),
+        str(row.get("v2_pages_per_chunk", "")),
+        str(row.get("v2_num_chunks", "")),
+        str(row.get("v2_num_ctas", "")),
+        _show(row.get("target_no_slower", "")),
+        _show(row.get("target_tbs", "")),
+    ]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _md_table(headers, lines) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|", *lines]
+
+
+def ragged_markdown_report(rows: list[dict], meta: dict) -> str:
+    """The ``--lengths`` report: header (command, GPU, date, commit, software,
+    timing, spread, the output check), target counts and the geometric
+    means, then one table per dtype with both targets marked per cell.
+    ``meta``: as :func:`run_meta` returns (``planned``, ``elapsed_s``,
+    ``skipped``, ``notes`` included)."""
+    lines = [f"# cupaged paged decode vs FlashInfer: ragged batches ({str(meta.get('date', '?'))[:10]})", ""]
+    lines.append(f"- **Command**: `{meta.get('command', '?')}`")
+    lines.append(f"- **GPU**: {meta.get('gpu', '?')}; clocks as found")
+    lines.append(f"- **Date**: {meta.get('date', '?')}; **commit**: `{meta.get('commit', '?')}`")
+    if meta.get("versions"):
+        lines.append(f"- **Software**: {meta['versions']}")
+    lines.append(f"- **Time**: {meta.get('timing', '')}")
+    lines.append(
+        "- **Bytes**: every visible K and V element once (one byte each for fp8) + q + out + int32 page table; "
+        f"TB/s and % of the {_common.ROOFLINE_BPS / 1e12:.1f} TB/s read roofline from them. KV MB (the "
+        f"{RAGGED_LARGE_KV_BYTES / 1e6:.0f} MB size class) counts K and V only."
+    )
+    spreads = []
+    for method, name in (("v2", "v2"), ("flashinfer", "FlashInfer-best")):
+        s = bench_report.spread_stats(rows, method)
+        if s:
+            spreads.append(f"{name} max {s[0]:.1f} % (median {s[1]:.1f} %, {s[2]} cells > 5 %)")
+    if spreads:
+        lines.append("- **Spread** (max − min) / median over repetitions: " + "; ".join(spreads))
+    errors = [v for r in rows if (v := _number(r, "max_rel_vs_fi")) is not None]
+    if errors:
+        lines.append(
+            f"- **Check**: v2's output against FlashInfer's, max |v2 − FI| / max |v2| (the larger over FlashInfer's "
+            f"two variants): at most {_fmt(max(errors), 3)} over {len(errors)} cells (a cell fails where v2 agrees "
+            f"with neither variant to {RAGGED_MAX_REL:g})"
+        )
+    planned = meta.get("planned")
+    run = f"{len(rows)}" + (f"/{planned}" if planned else "") + " cells measured"
+    if meta.get("elapsed_s") is not None:
+        run += f" in {float(meta['elapsed_s']):.0f} s"
+    skipped = list(meta.get("skipped") or [])
+    if skipped:
+        run += f"; {len(skipped)} not run (see Notes)"
+    lines += [f"- **Run**: {run}", "", "## Targets", ""]
+    body = []
+    for column, _, rule in RAGGED_TARGETS:
+        marks = [r.get(column) or "" for r in rows]
+        counts = [sum(bool(m) for m in marks)] + [marks.count(m) for m in
+                                                   (bench_report.MET, bench_report.MISSED, bench_report.UNMEASURED)]
+        body.append(f"| {rule} | " + " | ".join(str(c) for c in counts) + " |")
+    lines += _md_table(("target", "cells", "met", "missed", "not measured"), body)
+    (_, gm, n), *per_choice = ragged_geomeans(rows)
+    lines += [
+        "",
+        f"**Geometric mean of FlashInfer-best / v2 over the cells** ({n} cells): **{_fmt(gm, 3) or 'n/a'}** "
+        f"(target ≥ {RAGGED_GEOMEAN_TARGET:g}: {_show(_geomean_mark(gm))})",
+        "",
+    ]
+    if per_choice:
+        lines += ["Per dtype: " + "; ".join(f"{c}: {_fmt(g, 3) or 'n/a'} ({k} cells)" for c, g, k in per_choice)
+                  + ".", ""]
+    lines += [
+        "## Cells",
+        "",
+        "Lengths: tokens per request drawn from the distribution with the seed (scripts/_common.py). Marks: met, "
+        "**missed**, n/m = applies but not measured (see Notes), – = does not apply. FI variant: CC = CUDA cores "
+        "(use_tensor_cores=False), TC = tensor cores. Chunk pages / chunks / CTAs: v2's default plan.",
+        "",
+    ]
+    for choice in dict.fromkeys(ragged_choice(r) for r in rows):
+        crows = [r for r in rows if ragged_choice(r) == choice]
+        lines += [f"### {choice}: q/out {crows[0].get('dtype')}, KV {crows[0].get('kv_dtype')}", ""]
+        lines += _md_table(RAGGED_CELL_HEADERS, (_ragged_cell_line(r) for r in crows))
+        lines.append("")
+    notes = list(meta.get("notes") or []) + [f"not run: {s}" for s in skipped]
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def plot_ragged(rows: list[dict], path: str, title: str = "") -> None:
+    """Per dtype one panel: v2 and FlashInfer-best TB/s per cell (bars), the
+    ratio FlashInfer-best / v2 written over each pair, the roofline and the
+    TB/s target drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    choices = list(dict.fromkeys(ragged_choice(r) for r in rows))
+    if not choices:
+        return
+    width = max(len([r for r in rows if ragged_choice(r) == c]) for c in choices)
+    fig, axes = plt.subplots(len(choices), 1, figsize=(max(6.0, 1.1 * width + 2.0), 3.6 * len(choices)),
+                             squeeze=False)
+    for ax, choice in zip(axes[:, 0], choices, strict=True):
+        crows = [r for r in rows if ragged_choice(r) == choice]
+        x = np.arange(len(crows))
+        v2 = [_number(r, "v2_tbps") or 0.0 for r in crows]
+        fi = [_number(r, "flashinfer_tbps") or 0.0 for r in crows]
+        ax.bar(x - 0.2, v2, 0.4, label="v2")
+        ax.bar(x + 0.2, fi, 0.4, label="FlashInfer-best")
+        for i, r in enumerate(crows):
+            ratio = _number(r, "v2_over_flashinfer")
+            if ratio is not None:
+                ax.text(i, max(v2[i], fi[i]) + 0.05, f"{ratio:.2f}x", ha="center", va="bottom", fontsize=7)
+        ax.axhline(_common.ROOFLINE_BPS / 1e12, color="k", linestyle="--", linewidth=1, label="roofline")
+        ax.axhline(RAGGED_TARGET_TBPS, color="g", linestyle=":", linewidth=1, label=f"{RAGGED_TARGET_TBPS:g} TB/s")
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(r.get("cell", "")) for r in crows], rotation=30, ha="right", fontsize=7)
+        ax.set_ylim(0, max([_common.ROOFLINE_BPS / 1e12 * 1.2] + [1.15 * t for t in v2 + fi]))
+        ax.set_ylabel("TB/s")
+        ax.set_title(f"{choice}: FlashInfer-best / v2 over the bars", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=7, loc="lower right")
+    _save_figure(fig, path, title, dpi=100)
+
+
+def write_ragged_outputs(rows: list[dict], meta: dict, args: argparse.Namespace) -> None:
+    """CSV, meta JSON and markdown report of a ragged run (after every cell,
+    so a run cut short still leaves them)."""
+    _common.write_csv(args.csv, RAGGED_CSV_COLUMNS, rows)
+    bench_report.meta_path(args.csv).write_text(json.dumps(meta, indent=1))
+    Path(args.md).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.md).write_text(ragged_markdown_report(rows, meta))
+
+
+def ragged_summary_lines(rows: list[dict]) -> list[str]:
+    """``SUMMARY`` lines: a header, one per cell, the geometric means."""
+    lines = [
+        "SUMMARY cell dtype v2_us fi_us fi_variant fi/v2 v2_TB/s fi_TB/s max_rel "
+        f">=FI >={RAGGED_TARGET_TBPS:g}TB/s"
+    ]
+    for r in rows:
+        variant = {"tensor_cores": "TC", "cuda_cores": "CC"}.get(str(r.get("flashinfer_variant") or ""), "-")
+        values = " ".join(_fmt(r.get(k)) or "-" for k in ("v2_us", "flashinfer_us"))
+        values += f" {variant} " + " ".join(
+            _fmt(r.get(k), 3) or "-" for k in ("v2_over_flashinfer", "v2_tbps", "flashinfer_tbps")
+        )
+        marks = " ".join(r.get(c) or "-" for c, _, _ in RAGGED_TARGETS).replace("not measured", "n/m")
+        lines.append(
+            f"SUMMARY {r.get('cell')} {RAGGED_SHORT.get(ragged_choice(r), ragged_choice(r))} {values} "
+            f"{_fmt(r.get('max_rel_vs_fi'), 2) or '-'} {marks}"
+        )
+    for column, short, _ in RAGGED_TARGETS:
+        marks = [r.get(column) or "" for r in rows]
+        lines.append(
+            f"SUMMARY target {short}: {marks.count(bench_report.MET)} met, {marks.count(bench_report.MISSED)} missed, "
+            f"{marks.count(bench_report.UNMEASURED)} not measured (of {sum(bool(m) for m in marks)})"
+        )
+    (_, gm, n), *per_choice = ragged_geomeans(rows)
+    for choice, g, k in per_choice:
+        lines.append(f"SUMMARY geomean fi/v2 {RAGGED_SHORT.get(choice, choice)}: {_fmt(g, 3) or 'n/a'} ({k} cells)")
+    verdict = _geomean_mark(gm) or "n/a"
+    lines.append(
+        f"SUMMARY geomean fi/v2 all: {_fmt(gm, 3) or 'n/a'} ({n} cells; target >= {RAGGED_GEOMEAN_TARGET:g}: {verdict})"
+    )
+    return lines
+
+
+def main_ragged(args: argparse.Namespace, argv=None) -> int:
+    """``--lengths``: every (dtype, ragged cell) within ``--budget-s``,
+    outputs rewritten after every cell, ``SUMMARY`` lines printed last."""
+    import cupy
+
+    t_start = time.perf_counter()
+    the_cells = cells(args)
+    flashinfer = None
+    if "flashinfer" in args.methods:
+        flashinfer = FlashInfer()
+        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
+        print(f"flashinfer: {status}", flush=True)
+    meta = run_meta(args, argv, flashinfer, len(the_cells))
+    meta["timing"] = (
+        f"GPU µs per call under CUDA-graph replay, median of up to {args.reps} repetitions (v2 and FlashInfer's "
+        f"two variants interleaved, same cache buffers and page table); a graph holds >= ~{GRAPH_TARGET_US:.0f} µs "
+        f"of calls (at least one per cache copy), ~{SAMPLE_US / 1000:.0f} ms of replays per repetition, one "
+        f"repetition where it would pass {REP_CAP_US / 1000:.0f} ms; the CSV's *_timing columns say what was timed. "
+        "FlashInfer-best = the faster of BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores False/True. "
+        f"{args.num_qo_heads} q / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, page "
+        f"{args.ragged_page_size}; physical pages in random order out of a pool with 2x slack, first_page_offset 0; "
+        "cells under 256 MiB of KV rotate between cache copies so no call runs from L2. fp8 = float8 e4m3 KV "
+        "cache under a float16 query, scale 1, v2 and FlashInfer reading the same bytes."
+    )
+    budget = args.budget_s or 0.0
+    print(
+        f"microbench --lengths: {len(the_cells)} cells ({len(args.lengths)} batches x "
+        f"{', '.join(args.ragged_dtypes)}) x {', '.join(args.methods)}; budget {budget:.0f} s; reps {args.reps}; "
+        f"commit {meta['commit']}; {meta['gpu']}",
+        flush=True,
+    )
+    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    old_alarm = signal.signal(signal.SIGALRM, _interrupt)
+    if budget:
+        signal.alarm(int(budget + HARD_STOP_MARGIN_S))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows, failures, notes = [], [], meta["notes"]
+    warmed = set()
+    finished = set()
+    interrupted = ""
+    progress = _Progress(len(the_cells), "ragged")
+    try:
+        for i, cell in enumerate(the_cells):
+            where = ragged_label(cell)
+            elapsed = time.perf_counter() - t_start
+            est = estimate_ragged_cell_s(cell, args, cell["choice"] not in warmed)
+            if budget and elapsed + est > budget:
+                meta["skipped"].append(f"{where}: time budget ({est:.0f} s estimated, {budget - elapsed:.0f} s left)")
+                finished.add(i)
+                progress.update(f"{where} skipped")
+                continue
+            t0 = time.perf_counter()
+            try:
+                row, fails, cell_notes = run_ragged_cell(cell, args, stream, flashinfer)
+            except Exception as e:  # e.g. out of memory building the cell: keep going
+                failures.append(f"{where}: {_short(e)}")
+                finished.add(i)
+                progress.write(f"{where}: FAILED {_short(e)}")
+                _common.free_gpu_memory()
+                progress.update(f"{where} failed")
+                continue
+            warmed.add(cell["choice"])
+            row["wall_s"] = time.perf_counter() - t0
+            rows.append(row)
+            finished.add(i)
+            failures += [f"{where}: {f}" for f in fails]
+            notes += [f"{where}: {n}" for n in cell_notes]
+            meta["elapsed_s"] = time.perf_counter() - t_start
+            write_ragged_outputs(rows, meta, args)
+            ratio = row.get("v2_over_flashinfer")
+            progress.write(
+                f"{where:<36} c={row['v2_pages_per_chunk']} ctas={row['v2_num_ctas']} x{row['replicas']}: "
+                f"v2 {_fmt(row.get('v2_us')) or '-'} us {_fmt(row.get('v2_tbps'), 3) or '-'} TB/s  "
+                f"FI {_fmt(row.get('flashinfer_us')) or '-'} us"
+                + (f"  FI/v2 {ratio:.2f}" if ratio else "")
+                + f"  ({row['wall_s']:.1f} s)"
+            )
+            for f in fails:
+                progress.write(f"  ! {f}")
+            progress.update(where)
+    except (Interrupted, KeyboardInterrupt) as e:
+        interrupted = f"{type(e).__name__} {e} after {time.perf_counter() - t_start:.0f} s"
+        meta["skipped"] += [
+            f"{ragged_label(c)}: interrupted ({interrupted})" for j, c in enumerate(the_cells) if j not in finished
+        ]
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGTERM, old_term)
+        signal.signal(signal.SIGALRM, old_alarm)
+        progress.close()
+    meta["elapsed_s"] = time.perf_counter() - t_start
+    if failures:
+        notes += [f"failure: {f}" for f in failures]
+    if rows:
+        write_ragged_outputs(rows, meta, args)
+        try:
+            title = f"{device_name()}: ragged batches, GPU time per call under graph replay -> TB/s"
+            plot_ragged(rows, args.png, title)
+        except Exception as e:  # a plot problem must not lose the numbers
+            print(f"plot failed: {_short(e)}", file=sys.stderr)
+        print(f"wrote {args.csv}, {bench_report.meta_path(args.csv)}, {args.md}, {args.png}")
+    for f in failures:
+        print(f"failure: {f}")
+    if interrupted:
+        print(f"INTERRUPTED: {interrupted}")
+    print(
+        f"SUMMARY ragged: {len(rows)}/{len(the_cells)} cells measured, {len(meta['skipped'])} not run, "
+        f"{len(failures)} failures, {meta['elapsed_s']:.0f} s"
+    )
+    for line in ragged_summary_lines(rows):
+        print(line)
+    return 1 if failures or interrupted else 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     _common.require_gpu()
     if args.suite:
         return main_suite(args, argv)
+    if args.lengths:
+        return main_ragged(args, argv)
     if args.kv_dtype:
         return main_fp8(args)
     import cupy
