@@ -20,14 +20,18 @@
 // the closed-form exp2/log2 rescale (merge.cuh) and resets its counter to 0.
 // Every output element is written by exactly one CTA.
 //
-// Grid: x = chunk (plan.num_chunks), y = kv_head * q_groups + q_group.
+// Grid: x = work_unit * heads_groups + y (1-D, plan.num_ctas CTAs), where
+// y = kv_head * q_groups + q_group and heads_groups = num_kv_heads * q_groups:
+// a unit's CTAs are adjacent, and units run in the plan's launch order
+// (longest first, so short units fill the tail of long ones).
 // Block: AttendCore<CORE>::THREADS threads, AttendCore<CORE>::DYNAMIC_SMEM bytes
 // of dynamic shared memory (0 for SIMT; MMA_SMEM_BYTES for MMA). One CTA reads each K/V element of its
 // chunk once and uses it for the HEADS query heads
 //   kv_head * group_size + q_group * HEADS + [0, HEADS).
-// Chunk c belongs to request r = chunk_request[c] and is chunk
-// j = c - o_indptr[r] of it, covering the request's pages
-// [j * pages_per_chunk, min((j + 1) * pages_per_chunk, pages_r)).
+// Work unit u = work_units[u] = {r, c, page_lo, page_hi}: chunk c (its partial
+// row; chunk c - o_indptr[r] of request r) covers the request's pages
+// [page_lo, min(page_hi, pages_r)) (the plan's last chunk of a request ends
+// past its pages, so a plan reused while the request grows still covers them).
 //
 // Pointers (element strides are in elements of T; head_dim is contiguous):
 //   q                [batch, num_qo_heads, HEAD_DIM] T, strides (stride_q_batch, stride_q_head, 1)
@@ -36,10 +40,11 @@
 //   k_head_scale, v_head_scale [num_kv_heads] float32 per-head dequantization scales, or null (1)
 //   indices          [indptr[batch]] int32 physical page ids
 //   indptr           [batch + 1] int32;  last_page_len, first_page_offset [batch] int32
-//   chunk_request    [num_chunks] int32; o_indptr [batch + 1] int32
+//   work_units       [num_chunks] int4 {request, chunk, page_lo, page_hi}, launch order
+//   o_indptr         [batch + 1] int32: request r's chunks are rows [o_indptr[r], o_indptr[r + 1])
 //   partial_v        [num_chunks, num_qo_heads, HEAD_DIM] float32 contiguous (null if no request splits)
 //   partial_lse      [num_chunks, num_qo_heads] float32 contiguous (null if no request splits)
-//   merge_counters   [batch * gridDim.y] int32, all 0 before the launch and after it (null if no split)
+//   merge_counters   [batch * heads_groups] int32, all 0 before the launch and after it (null if no split)
 //   final_out        [batch, num_qo_heads, HEAD_DIM] T, strides (stride_o_batch, stride_o_head, 1)
 //   final_lse        [batch, num_qo_heads] float32 contiguous, may be null
 //
@@ -102,8 +107,8 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
     const KV* __restrict__ v_cache, long long stride_v_page, long long stride_v_token, long long stride_v_head,
     const int* __restrict__ indices, const int* __restrict__ indptr,
     const int* __restrict__ last_page_len, const int* __restrict__ first_page_offset,
-    const int* __restrict__ chunk_request, const int* __restrict__ o_indptr,
-    int pages_per_chunk, int page_size, int num_qo_heads, int group_size, int q_groups,
+    const int4* __restrict__ work_units, const int* __restrict__ o_indptr,
+    int heads_groups, int page_size, int num_qo_heads, int group_size, int q_groups,
     float scale, float soft_cap, float v_scale,
     const float* __restrict__ k_head_scale, const float* __restrict__ v_head_scale,
     float* __restrict__ partial_v, float* __restrict__ partial_lse, int* __restrict__ merge_counters,
@@ -115,18 +120,18 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   // A launch with less dynamic shared memory than the core needs would write
   // past it: fail loudly instead (the host passes _configs.dynamic_smem()).
   if (Attn::DYNAMIC_SMEM > 0 && dynamic_smem_size() < (unsigned)Attn::DYNAMIC_SMEM) __trap();
-  const int chunk = blockIdx.x;
-  const int kv_head = blockIdx.y / q_groups;
-  const int head0 = kv_head * group_size + (blockIdx.y % q_groups) * HEADS;
-  const int req = chunk_request[chunk];
+  const int unit = blockIdx.x / heads_groups, y = blockIdx.x - unit * heads_groups;
+  const int kv_head = y / q_groups;
+  const int head0 = kv_head * group_size + (y % q_groups) * HEADS;
+  const int4 w = work_units[unit];
+  const int req = w.x, chunk = w.y;
   const int chunk0 = o_indptr[req], num_chunks = o_indptr[req + 1] - chunk0;
-  const int j = chunk - chunk0;
   const int page0 = indptr[req];
   const int pages = indptr[req + 1] - page0;
 
   int slot_begin, slot_end;
-  visible_slots(pages, first_page_offset[req], last_page_len[req], page_size, j * pages_per_chunk,
-                min((j + 1) * pages_per_chunk, pages), slot_begin, slot_end);
+  visible_slots(pages, first_page_offset[req], last_page_len[req], page_size, w.z, min(w.w, pages), slot_begin,
+                slot_end);
 
   const T* q_cta = q + req * stride_q_batch + head0 * stride_q_head;
   const ScoreMap sc{k_head_scale == nullptr ? scale : scale * k_head_scale[kv_head], soft_cap,
@@ -149,7 +154,7 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   // Release this CTA's partial, then take a ticket; the last one merges.
   __threadfence();
   __syncthreads();
-  int* counter = merge_counters + (long long)req * gridDim.y + blockIdx.y;
+  int* counter = merge_counters + (long long)req * heads_groups + y;
   if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
   __syncthreads();
   if (!is_last) return;

@@ -622,7 +622,7 @@ def _f32_bits(x: float) -> int:
 # in order. Each argument gets one 8-byte slot; 4-byte ones use its low half.
 _V2_ARGS = ("q", "sq_b", "sq_h", "k", "sk_p", "sk_t", "sk_h", "v", "sv_p", "sv_t", "sv_h",
             "indices", "indptr", "last_page_len", "first_page_offset",
-            "chunk_request", "o_indptr", "pages_per_chunk", "page_size", "num_qo_heads", "group_size", "q_groups",
+            "work_units", "o_indptr", "heads_groups", "page_size", "num_qo_heads", "group_size", "q_groups",
             "scale", "soft_cap", "v_scale", "k_head_scale", "v_head_scale",
             "partial_v", "partial_lse", "counters", "out", "so_b", "so_h", "lse")
 _SLOT = {name: i for i, name in enumerate(_V2_ARGS)}
@@ -633,6 +633,19 @@ _TABLE = slice(_SLOT["indices"], _SLOT["first_page_offset"] + 1)
 _SCORES = slice(_SLOT["scale"], _SLOT["v_head_scale"] + 1)
 _OUT = slice(_SLOT["out"], _SLOT["lse"] + 1)
 _Q, _K, _V, _O, _LSE = (_SLOT[n] for n in ("q", "k", "v", "out", "lse"))
+
+
+def _work_units(plan: DecodePlan) -> np.ndarray:
+    """The kernel's ``work_units`` ``[num_chunks, 4]`` int32 in launch order:
+    ``(request, chunk, page_lo, page_hi)``; a request's last chunk ends at
+    ``request_chunks * chunk_pages`` pages, past the request's pages while
+    ``plan.matches`` holds (the kernel clips it), so the plan serves a grown
+    table."""
+    order = plan.launch_order
+    req = plan.chunk_request[order].astype(np.int64)
+    pages = plan.request_chunk_pages[req].astype(np.int64)
+    lo = plan.chunk_index[order] * pages
+    return np.ascontiguousarray(np.stack([req, order, lo, lo + pages], axis=1).astype(np.int32))
 
 
 class _PlanBuffers:
@@ -652,13 +665,13 @@ class _PlanBuffers:
         import cupy
         from cupy_backends.cuda.api import driver
 
-        self.chunk_request = cupy.asarray(plan.chunk_request, dtype=cupy.int32)
+        self.work_units = cupy.asarray(_work_units(plan))
         self.o_indptr = cupy.asarray(plan.o_indptr, dtype=cupy.int32)
         self.partial_v = self.partial_lse = self.counters = None
         if plan.needs_merge:
             self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
             self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
-            self.counters = cupy.zeros(plan.batch_size * plan.grid[1], dtype=cupy.int32)
+            self.counters = cupy.zeros(plan.batch_size * plan.heads_groups, dtype=cupy.int32)
         self.core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
         self.scores = None  # the ScoreArgs whose values are in the slots
         index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, self.core)
@@ -676,8 +689,8 @@ class _PlanBuffers:
         self.params = (ctypes.c_void_p * len(_V2_ARGS))(*(base + 8 * i for i in range(len(_V2_ARGS))))
         self.params_ptr = ctypes.addressof(self.params)
         s = self.slots
-        for name, value in (("chunk_request", self.chunk_request.data.ptr), ("o_indptr", self.o_indptr.data.ptr),
-                            ("pages_per_chunk", plan.pages_per_chunk), ("page_size", plan.page_size),
+        for name, value in (("work_units", self.work_units.data.ptr), ("o_indptr", self.o_indptr.data.ptr),
+                            ("heads_groups", plan.heads_groups), ("page_size", plan.page_size),
                             ("num_qo_heads", plan.num_qo_heads), ("group_size", plan.group_size),
                             ("q_groups", plan.q_groups)):
             s[_SLOT[name]] = int(value)

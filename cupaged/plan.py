@@ -26,16 +26,14 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with np.dtype)
 import numpy as np
 
+from . import _configs, schedule
 from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
 
 __all__ = [
     "MAX_HEADS_PER_CTA",
     "CTAS_PER_SM",
-    "LONG_CHUNK_TOKENS",
-    "SPLIT_LIMIT",
     "DEFAULT_NUM_SMS",
     "MAX_GRID_X",
-    "MAX_GRID_YZ",
     "SUPPORTED_DTYPES",
     "FLOAT8_E4M3",
     "SUPPORTED_DTYPE_PAIRS",
@@ -46,7 +44,7 @@ __all__ = [
     "default_target_ctas",
     "num_chunks",
     "choose_pages_per_chunk",
-    "default_pages_per_chunk",
+    "ctas_per_sm",
     "device_num_sms",
     "resolve_num_sms",
     "resolve_target_ctas",
@@ -57,28 +55,19 @@ __all__ = [
 #: Most query heads one CTA serves (its q-head group).
 MAX_HEADS_PER_CTA = 8
 #: CTAs one SM holds at once (the tensor-core kernel: 128 threads and 72 KB of
-#: shared memory each, 2 per SM), so ``CTAS_PER_SM * num_sms`` CTAs are one
-#: wave: the default chunk size (``default_pages_per_chunk``) fills at most
-#: one wave, as evenly as the chunk count allows.
+#: shared memory each, 2 per SM): ``CTAS_PER_SM * num_sms`` CTAs are one wave
+#: (the ``target_ctas`` a plan reports). :func:`ctas_per_sm` gives each
+#: kernel instance's own count.
 CTAS_PER_SM = 2
-#: ... unless that split needs more than SPLIT_LIMIT chunks for a request and
-#: its chunks are shorter than LONG_CHUNK_TOKENS: then the merge tail and the
-#: per-CTA fixed costs outweigh the second CTA per SM, and the default takes
-#: at most one CTA per SM instead. Chunks never drop below MIN_CHUNK_TOKENS.
-#: Fitted to a sweep of chunk sizes on the H200 (2026-11-29; fp16, 32q/8kv
-#: D128, 64q/8kv, 32q/32kv and D64; scripts/chunk_sweep.py; docs/architecture.md
-#: "Chunk size: one wave"): e.g. batch 1 ctx 131072: 264 CTAs 141 us vs 200
-#: CTAs 146; batch 4 ctx 32768: 256 CTAs 139.5 vs 224 143.4; batch 1 ctx 4096:
-#: 128 CTAs 10.3 vs 256 CTAs 11.2.
-SPLIT_LIMIT = 16
-LONG_CHUNK_TOKENS = 1024
+#: Chunks never drop below MIN_CHUNK_TOKENS tokens (capped at the longest
+#: request): shorter ones measured slower everywhere on the H200 but at one
+#: request of 1024 tokens (docs/architecture.md "Ragged batches").
 MIN_CHUNK_TOKENS = 128
 #: SM count used when neither the argument, a device nor the env var gives one
 #: (an NVIDIA H200 has 132 SMs).
 DEFAULT_NUM_SMS = 132
 #: CUDA grid limits.
 MAX_GRID_X = 2**31 - 1
-MAX_GRID_YZ = 65535
 
 ENV_NUM_SMS = "CUPAGED_NUM_SMS"
 ENV_TARGET_CTAS = "CUPAGED_TARGET_CTAS"
@@ -283,80 +272,33 @@ def choose_pages_per_chunk(request_pages: Any, ctas_per_chunk: int,
     return lo
 
 
-def _smallest_c_within(pages: np.ndarray, cpc: int, limit: int) -> int:
-    """Smallest ``c`` in ``[1, max(1, max pages)]`` with
-    ``num_chunks(pages, c) * cpc <= limit``; the largest ``c`` (one chunk
-    per request) when no ``c`` fits. Feasible ``c`` form a suffix
-    (``num_chunks`` is non-increasing), so a binary search finds it."""
-    lo, hi = 1, max(1, int(pages.max()) if pages.size else 1)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if int(_chunks_per_request(pages, mid).sum()) * cpc <= limit:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
 # --------------------------------------------------------------------------
 # device / environment
 # --------------------------------------------------------------------------
 _SM_CACHE: dict[int, int] = {}
 
 
-def default_pages_per_chunk(request_pages: Any, ctas_per_chunk: int, num_sms: int,
-                            page_size: int) -> int:
-    """The default chunk size, calibrated on the H200.
+def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) -> int:
+    """Resident CTAs per SM of the partial kernel instance that serves these
+    shapes (its ``__launch_bounds__`` minimum, which the register and shared
+    memory budgets are sized for): 2 for the tensor-core core, 3 or 1 for the
+    CUDA-core core (``MinBlocks`` in attend.cuh); 2 where no kernel serves
+    the shapes (the gather path ignores the plan).
 
-    1. One wave: the smallest ``c`` with at most ``default_target_ctas(num_sms)``
-       (2 per SM) CTAs. Every CTA of a split has the same work, so the
-       kernel ends with its busiest SM: a grid between one and two CTAs per
-       SM leaves some SMs doubled and the rest half idle, and a grid past one
-       wave adds a partial second wave. A batch that needs more than one wave
-       unsplit is not split.
-    2. Fewer, longer chunks for a short request: when that split gives some
-       request more than ``SPLIT_LIMIT`` chunks of under
-       ``LONG_CHUNK_TOKENS`` tokens, the smallest ``c`` with at most one CTA
-       per SM instead (each CTA has a fixed cost -- query, page ids,
-       pipeline fill, partial write -- and the last one merges every chunk).
-    3. Never below ``MIN_CHUNK_TOKENS`` tokens per chunk (capped at the
-       longest request).
-    4. Even out the longest request's chunks at the same chunk count (a
-       search can return 255 of 256 pages, leaving a 1-page straggler), when
-       that adds no chunk to another request.
-
-    Worked examples (132 SMs, page 16, 8 kv heads x 1 q group = 8 CTAs/chunk):
-
-    >>> default_pages_per_chunk([8192], 8, 132, 16)         # batch 1, ctx 131072: 33 chunks, 264 CTAs
-    249
-    >>> default_pages_per_chunk([2048] * 4, 8, 132, 16)     # batch 4, ctx 32768: 8 chunks each, 256 CTAs
-    256
-    >>> default_pages_per_chunk([256], 8, 132, 16)          # batch 1, ctx 4096: 16 chunks, 128 CTAs
-    16
-    >>> default_pages_per_chunk([64], 8, 132, 16)           # batch 1, ctx 1024: 128 tokens a chunk
-    8
-    >>> default_pages_per_chunk([256] * 128, 8, 132, 16)    # batch 128, ctx 4096: no split
-    256
-
-    Measured (fp16, 32q/8kv, D 128, page 16; µs under graph replay, H200,
-    2026-11-29, docs/architecture.md "Chunk size: one wave"): batch 1 ctx
-    131072: c=249 141.2 (c=328, the previous 1.5-per-SM default, 145.6);
-    batch 4 ctx 32768: c=256 139.5 (c=293: 143.4); batch 1 ctx 4096: c=16
-    10.3 (c=8, 256 CTAs: 11.2).
+    >>> ctas_per_sm(np.dtype(np.float16), np.dtype(np.float16), 128, 4)
+    2
+    >>> ctas_per_sm(np.dtype(np.float32), np.dtype(np.float32), 128, 4), ctas_per_sm(np.dtype(np.float32), np.dtype(np.float32), 128, 8)
+    (3, 1)
     """
-    pages = _request_pages(request_pages)
-    per_chunk = _positive_int(ctas_per_chunk, "ctas_per_chunk")
-    sms = _positive_int(num_sms, "num_sms")
-    p = _positive_int(page_size, "page_size")
-    longest = max(1, int(pages.max(initial=1)))
-    c = _smallest_c_within(pages, per_chunk, default_target_ctas(sms))
-    if -(-longest // c) > SPLIT_LIMIT and c * p < LONG_CHUNK_TOKENS:
-        c = _smallest_c_within(pages, per_chunk, sms)
-    c = min(max(c, -(-MIN_CHUNK_TOKENS // p)), longest)
-    even = -(-longest // -(-longest // c))
-    # (evening out must not give a shorter request one more chunk: the grid
-    # would outgrow the wave it was sized for)
-    return even if num_chunks(pages, even) == num_chunks(pages, c) else c
+    name = _configs.dtype_name(dtype)
+    variant = name if kv_dtype == dtype else f"{name}+{_configs.FP8}"
+    try:
+        core = _configs.choose_core(variant, head_dim, os.environ.get("CUPAGED_CORE") or None)
+    except ValueError:
+        return CTAS_PER_SM
+    if core == "mma":
+        return _configs.MMA_MIN_BLOCKS
+    return 3 if heads <= 4 else 1
 
 
 def deterministic_pages_per_chunk(page_size: int) -> int:
@@ -450,7 +392,8 @@ def _readonly_int32(arr: Any, name: str) -> np.ndarray:
     return a
 
 
-_ARRAY_FIELDS = ("chunk_request", "chunk_index", "o_indptr", "request_chunks")
+_ARRAY_FIELDS = ("chunk_request", "chunk_index", "o_indptr", "request_chunks", "request_chunk_pages",
+                 "launch_order")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -468,16 +411,26 @@ class DecodePlan:
       KV head ``h // group_size``.
     * ``heads_per_cta``: query heads served by one CTA;
       ``q_groups = group_size // heads_per_cta``.
-    * ``pages_per_chunk`` (``c``), ``target_ctas``, ``num_chunks``.
+    * ``pages_per_chunk``: the longest chunk (pages), ``target_ctas``,
+      ``num_chunks``.
+    * ``request_chunk_pages [B]``: request ``i``'s chunk size ``c_i`` in pages
+      (``pages_per_chunk`` for every request under a uniform split; the
+      default plan splits each request evenly, see
+      :func:`cupaged.schedule.split_pages`).
     * ``chunk_request [num_chunks]``: request of each chunk (non-decreasing).
     * ``chunk_index [num_chunks]``: index ``j`` of the chunk within its
-      request; its pages are ``[j*c, min((j+1)*c, pages_i))`` relative to the
-      request's first page.
+      request; its pages are ``[j*c_i, min((j+1)*c_i, pages_i))`` relative to
+      the request's first page.
     * ``o_indptr [B+1]``: chunks of request ``i`` are
       ``o_indptr[i]:o_indptr[i+1]`` (the merge kernel's CSR).
-    * ``request_chunks [B]``: ``max(1, ceil(pages_i / c))``.
-    * ``num_ctas = num_chunks * num_kv_heads * q_groups``.
-    * ``grid = (num_chunks, num_kv_heads * q_groups, 1)``.
+    * ``request_chunks [B]``: ``max(1, ceil(pages_i / c_i))``.
+    * ``launch_order [num_chunks]``: the chunks in the order the kernel runs
+      them, longest first (ties in chunk order), so short requests fill the
+      SMs beside a long one's chunks.
+    * ``heads_groups = num_kv_heads * q_groups``: CTAs per chunk.
+    * ``num_ctas = num_chunks * heads_groups``.
+    * ``grid = (num_ctas, 1, 1)``: CTA ``x`` runs chunk
+      ``launch_order[x // heads_groups]`` for head group ``x % heads_groups``.
     * ``needs_merge``: some request has more than one chunk.
     * ``workspace_bytes``: float32 partial outputs ``[num_chunks, Hq, D]`` plus
       partial LSEs ``[num_chunks, Hq]`` when ``needs_merge``, else 0.
@@ -489,6 +442,9 @@ class DecodePlan:
       :func:`deterministic_pages_per_chunk` (or was given explicitly) under
       ``plan_decode(..., deterministic=True)``: it depends on no other request
       of the batch. Optional when constructing (default False).
+    * ``request_chunk_pages``, ``launch_order``, ``heads_groups`` (above) are
+      optional when constructing: a uniform split of ``pages_per_chunk``
+      pages in chunk order.
 
     Methods: :meth:`matches` (can this plan serve a new table?),
     :meth:`chunk_page_ranges` and :meth:`chunk_token_ranges` (each chunk's
@@ -504,7 +460,7 @@ class DecodePlan:
     >>> table = cupaged.PageTable.from_seq_lens([700, 33], page_size=16)
     >>> plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=4)
     >>> plan.num_chunks, plan.grid, plan.needs_merge, plan.o_indptr.tolist()
-    (12, (12, 8, 1), True, [0, 11, 12])
+    (12, (96, 1, 1), True, [0, 11, 12])
     >>> start, end = plan.chunk_token_ranges(table)   # 64 tokens per chunk
     >>> start[:3].tolist(), end[-2:].tolist()
     ([0, 64, 128], [700, 33])
@@ -538,8 +494,18 @@ class DecodePlan:
     workspace_bytes: int
     kv_dtype: Any = None
     deterministic: bool = False
+    request_chunk_pages: Any = dataclasses.field(default=None, repr=False)
+    launch_order: Any = dataclasses.field(default=None, repr=False)
+    heads_groups: int = 0
 
     def __post_init__(self) -> None:
+        # optional when constructing: a uniform split in chunk order
+        if self.request_chunk_pages is None:
+            object.__setattr__(self, "request_chunk_pages", np.full(int(self.batch_size), self.pages_per_chunk))
+        if self.launch_order is None:
+            object.__setattr__(self, "launch_order", np.arange(int(self.num_chunks)))
+        if not self.heads_groups:
+            object.__setattr__(self, "heads_groups", int(self.num_kv_heads) * int(self.q_groups))
         for name in _ARRAY_FIELDS:
             object.__setattr__(self, name,
                                _readonly_int32(getattr(self, name), name))
@@ -559,7 +525,7 @@ class DecodePlan:
         if int(table.page_size) != self.page_size:
             return False
         pages = np.asarray(table.request_pages, dtype=np.int64)
-        counts = _chunks_per_request(pages, self.pages_per_chunk)
+        counts = _chunks_per_request(pages, self.request_chunk_pages)
         return bool(np.array_equal(counts, self.request_chunks))
 
     # -- geometry helpers (tests, reference, debugging) ---------------------
@@ -575,9 +541,9 @@ class DecodePlan:
         req = self.chunk_request.astype(np.int64)
         first = indptr[req]
         last = indptr[req + 1]
-        start = np.minimum(first + self.chunk_index.astype(np.int64)
-                           * self.pages_per_chunk, last)
-        end = np.minimum(start + self.pages_per_chunk, last)
+        c = self.request_chunk_pages.astype(np.int64)[req]
+        start = np.minimum(first + self.chunk_index.astype(np.int64) * c, last)
+        end = np.minimum(start + c, last)
         return start, end
 
     def chunk_token_ranges(self, table: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -595,9 +561,9 @@ class DecodePlan:
         pages = np.asarray(table.request_pages, dtype=np.int64)[req]
         off = np.asarray(table.first_page_offset, dtype=np.int64)[req]
         seq = np.asarray(table.seq_lens, dtype=np.int64)[req]
-        p0 = np.minimum(self.chunk_index.astype(np.int64) * self.pages_per_chunk,
-                        pages)
-        p1 = np.minimum(p0 + self.pages_per_chunk, pages)
+        c = self.request_chunk_pages.astype(np.int64)[req]
+        p0 = np.minimum(self.chunk_index.astype(np.int64) * c, pages)
+        p1 = np.minimum(p0 + c, pages)
         start = np.clip(p0 * P - off, 0, seq)
         end = np.clip(p1 * P - off, 0, seq)
         return start, end
@@ -612,7 +578,7 @@ class DecodePlan:
 def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
                 head_dim: int, dtype: Any, *, kv_dtype: Any = None,
                 deterministic: bool = False, pages_per_chunk: int | None = None,
-                target_ctas: int | None = None,
+                max_pages_per_chunk: int | None = None, target_ctas: int | None = None,
                 num_sms: int | None = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
 
@@ -650,13 +616,21 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             ``target_ctas`` and ``num_sms`` then only fill the plan's
             ``target_ctas`` field, as they do next to an explicit
             ``pages_per_chunk``.
-        pages_per_chunk: keyword-only; used as given (``>= 1``). When None:
-            with ``deterministic``, :func:`deterministic_pages_per_chunk`;
-            else with an explicit target (``target_ctas``, else env
-            ``CUPAGED_TARGET_CTAS``) the largest chunk giving at least that
-            many CTAs (:func:`choose_pages_per_chunk` with ``ctas_per_chunk =
-            num_kv_heads * q_groups``); otherwise the calibrated default
-            :func:`default_pages_per_chunk`.
+        pages_per_chunk: keyword-only; every request in chunks of this
+            many pages (``>= 1``, a uniform split). When None: with
+            ``max_pages_per_chunk``, that balanced split; with
+            ``deterministic``, :func:`deterministic_pages_per_chunk`; else
+            with an explicit target (``target_ctas``, else env
+            ``CUPAGED_TARGET_CTAS``) the largest uniform chunk giving at least
+            that many CTAs (:func:`choose_pages_per_chunk` with
+            ``ctas_per_chunk = num_kv_heads * q_groups``); otherwise the
+            default: a balanced split whose cap minimizes the predicted
+            time of the step
+            (:func:`cupaged.schedule.choose_max_pages_per_chunk`, with
+            :func:`ctas_per_sm` resident CTAs per SM).
+        max_pages_per_chunk: keyword-only; split each request into the
+            fewest equal chunks of at most this many pages (``>= 1``;
+            :func:`cupaged.schedule.split_pages`).
         target_ctas: keyword-only CTA target (default None).
         num_sms: keyword-only SM count for the default (default None: the
             current CUDA device's, else env ``CUPAGED_NUM_SMS``, else 132).
@@ -719,6 +693,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             f"deterministic must be True or False, got {deterministic!r}")
     if pages_per_chunk is not None:
         pages_per_chunk = _positive_int(pages_per_chunk, "pages_per_chunk")
+    if max_pages_per_chunk is not None:
+        max_pages_per_chunk = _positive_int(max_pages_per_chunk, "max_pages_per_chunk")
     if target_ctas is not None:
         target_ctas = _positive_int(target_ctas, "target_ctas")
     if num_sms is not None:
@@ -743,33 +719,42 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     hpc = heads_per_cta(group)
     q_groups = group // hpc
     grid_y = hkv * q_groups
-    if grid_y > MAX_GRID_YZ:
-        raise InvalidArgumentError(
-            f"num_kv_heads * q_groups = {hkv} * {q_groups} = {grid_y} exceeds "
-            f"the CUDA grid limit {MAX_GRID_YZ} (grid y); too many heads")
 
     target = resolve_target_ctas(target_ctas, num_sms)
     if pages_per_chunk is not None:
         c = pages_per_chunk
+    elif max_pages_per_chunk is not None:
+        c = None
     elif deterministic:
         c = deterministic_pages_per_chunk(page_size)  # the batch and the device play no part
     elif target_ctas is not None or _env_positive_int(ENV_TARGET_CTAS) is not None:
         c = choose_pages_per_chunk(pages, grid_y, target)  # an explicit target: the plain search
     else:
-        c = default_pages_per_chunk(pages, grid_y, resolve_num_sms(num_sms), page_size)
-
-    req_chunks = _chunks_per_request(pages, c)
+        slots = ctas_per_sm(dt, kv_dt, d, hpc) * resolve_num_sms(num_sms)
+        page_bytes = page_size * 2 * d * kv_dt.itemsize
+        max_pages_per_chunk = schedule.choose_max_pages_per_chunk(
+            pages, grid_y, slots, page_bytes, -(-MIN_CHUNK_TOKENS // page_size))
+        c = None
+    if c is None:  # balanced: each request in equal chunks of at most max_pages_per_chunk
+        chunk_pages, req_chunks = schedule.split_pages(pages, max_pages_per_chunk)
+    else:  # uniform: every request in chunks of c pages
+        req_chunks = _chunks_per_request(pages, c)
+        chunk_pages = np.full(batch, c, dtype=np.int64)
     n = int(req_chunks.sum())
-    if n > MAX_GRID_X:
+    if n * grid_y > MAX_GRID_X:
         raise InvalidArgumentError(
-            f"{n} chunks exceed the CUDA grid limit {MAX_GRID_X} (grid x); "
-            f"raise pages_per_chunk")
+            f"{n} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
+            f"(grid x); raise pages_per_chunk")
     o_indptr = np.zeros(batch + 1, dtype=np.int64)
     np.cumsum(req_chunks, out=o_indptr[1:])
     chunk_request = np.repeat(np.arange(batch, dtype=np.int64), req_chunks)
     chunk_index = np.arange(n, dtype=np.int64) - o_indptr[chunk_request]
+    # Longest chunks first (a chunk's length: its pages, the last one's rest).
+    length = np.minimum(chunk_pages[chunk_request], pages[chunk_request] - chunk_index * chunk_pages[chunk_request])
+    launch_order = np.argsort(-length, kind="stable")
     needs_merge = bool(int(req_chunks.max()) > 1)
     workspace = (n * hq * d + n * hq) * 4 if needs_merge else 0
+    c = int(chunk_pages.max())
 
     return DecodePlan(
         batch_size=batch,
@@ -788,8 +773,11 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         chunk_index=chunk_index,
         o_indptr=o_indptr,
         request_chunks=req_chunks,
+        request_chunk_pages=chunk_pages,
+        launch_order=launch_order,
+        heads_groups=grid_y,
         num_ctas=n * grid_y,
-        grid=(n, grid_y, 1),
+        grid=(n * grid_y, 1, 1),
         needs_merge=needs_merge,
         workspace_bytes=workspace,
         kv_dtype=kv_dt,

@@ -230,6 +230,88 @@ def plan_layout(
     )
 
 
+# ------------------------------------------------------ ragged length family
+#: Distributions of ``--lengths`` (``NAME:ARG:ARG...``; tokens per request):
+#: ``lognormal:MEDIAN:SIGMA``, ``uniform:LO:HI`` (HI exclusive),
+#: ``bimodal:SHORT:LONG`` (half of each, the long ones first),
+#: ``onelong:LONG:SHORT`` (one request of LONG, the rest SHORT) and
+#: ``zipf:A:UNIT:MAX`` (UNIT * Zipf(A), capped at MAX).
+LENGTH_DISTRIBUTIONS = ("lognormal", "uniform", "bimodal", "onelong", "zipf")
+#: The ragged family of the benchmarks: (batch, spec, seed). Seeds fixed so
+#: the batches are the same in every run; extend the family as users'
+#: batches grow.
+RAGGED_FAMILY = (
+    (64, "onelong:131072:512", 0),
+    (8, "onelong:32768:1024", 0),
+    (128, "lognormal:1024:1.2", 1),
+    (32, "lognormal:2048:1.0", 2),
+    (256, "lognormal:512:1.0", 3),
+    (16, "uniform:1:16384", 4),
+    (64, "uniform:1:4096", 5),
+    (8, "uniform:1:32768", 6),
+    (64, "bimodal:256:16384", 7),
+    (256, "zipf:1.5:256:32768", 8),
+)
+
+
+def parse_lengths(spec: str) -> tuple[str, tuple[float, ...]]:
+    """``"lognormal:1024:1.2"`` -> ``("lognormal", (1024.0, 1.2))``; ValueError
+    naming the expected arguments when malformed.
+
+    >>> parse_lengths("uniform:1:4096")
+    ('uniform', (1.0, 4096.0))
+    """
+    name, *args = spec.split(":")
+    arity = {"lognormal": 2, "uniform": 2, "bimodal": 2, "onelong": 2, "zipf": 3}
+    if name not in arity:
+        raise ValueError(f"--lengths {spec!r}: distribution must be one of {', '.join(LENGTH_DISTRIBUTIONS)}")
+    try:
+        values = tuple(float(a) for a in args)
+    except ValueError:
+        values = ()
+    if len(values) != arity[name] or min(values) <= 0:
+        raise ValueError(f"--lengths {spec!r}: {name} takes {arity[name]} positive numbers "
+                         f"(see LENGTH_DISTRIBUTIONS in scripts/_common.py)")
+    return name, values
+
+
+def ragged_lengths(spec: str, batch: int, seed: int) -> np.ndarray:
+    """``batch`` sequence lengths (int64, >= 1) drawn from ``spec`` with ``seed``.
+
+    >>> ragged_lengths("onelong:1000:10", 3, 0).tolist()
+    [1000, 10, 10]
+    >>> ragged_lengths("bimodal:5:50", 4, 0).tolist()
+    [50, 50, 5, 5]
+    """
+    name, a = parse_lengths(spec)
+    rng = np.random.default_rng(seed)
+    if name == "lognormal":
+        lens = np.round(a[0] * np.exp(a[1] * rng.standard_normal(batch)))
+    elif name == "uniform":
+        lens = rng.integers(int(a[0]), int(a[1]), size=batch)
+    elif name == "bimodal":
+        lens = np.where(np.arange(batch) < (batch + 1) // 2, a[1], a[0])
+    elif name == "onelong":
+        lens = np.where(np.arange(batch) == 0, a[0], a[1])
+    else:
+        lens = np.minimum(a[1] * rng.zipf(a[0], size=batch), a[2])
+    return np.maximum(1, lens).astype(np.int64)
+
+
+def lengths_layout(seq_lens, page_size: int, *, seed: int, slack: int = 2) -> BatchLayout:
+    """A layout of the given visible lengths: no mid-page starts, distinct
+    physical pages in random order out of a pool ``slack`` times the need."""
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    request_pages = -(-seq_lens // page_size)
+    total = int(request_pages.sum())
+    num_pages = slack * total
+    rng = np.random.default_rng(seed)
+    return BatchLayout(page_size=int(page_size), seq_lens=seq_lens,
+                       first_page_offset=np.zeros_like(seq_lens), request_pages=request_pages,
+                       page_ids=rng.choice(num_pages, size=total, replace=False).astype(np.int32),
+                       num_pages=int(num_pages))
+
+
 def layout_table(layout: BatchLayout):
     """The layout as a :class:`cupaged.PageTable` (built with
     ``PageTable.from_seq_lens``; validated against the pool size)."""

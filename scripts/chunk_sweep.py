@@ -1,17 +1,31 @@
 #!/usr/bin/env python3
-"""Times v2 at the chunk sizes that give a ladder of CTA counts (64 to 792 on
-132 SMs), per cell, to calibrate ``plan.default_pages_per_chunk``.
+"""Times v2 over every chunking the planner could choose, per cell, to fit
+the step-time model (cupaged/schedule.py) and to check the default plan
+against the best chunking found.
 
-    python3 scripts/chunk_sweep.py --csv OUT/chunks.csv
-    python3 scripts/chunk_sweep.py --cells 1x131072 4x32768x16x32x8x128
+    python3 scripts/chunk_sweep.py --csv OUT/chunks.csv                 # uniform + ragged cells
+    python3 scripts/chunk_sweep.py --cells 1x131072 4x32768x16x32x8x128 --no-ragged
+    python3 scripts/chunk_sweep.py --lengths 64:onelong:131072:512 --kv-dtype fp8
 
-A cell is ``BATCHxCTX[xPAGExHQxHKVxD]`` (default page 16, 32 q / 8 kv heads,
-head_dim 128); float16, pages in random order, two cache copies used in turn
-(so cells of a few MB do not run from L2). Each chunk size is timed in two
-interleaved rounds (µs per call under CUDA-graph replay, median of 5 replays of
-20 calls); ``default`` marks the plan's own choice.
+A uniform cell is ``BATCHxCTX[xPAGExHQxHKVxD]`` (default page 16, 32 q / 8 kv
+heads, head_dim 128). A ragged cell is ``BATCH:DISTRIBUTION[:SEED]`` with the
+distributions of scripts/_common.py (``lognormal:MEDIAN:SIGMA``,
+``uniform:LO:HI``, ``bimodal:SHORT:LONG``, ``onelong:LONG:SHORT``,
+``zipf:A:UNIT:MAX``); by default the ragged family ``RAGGED_FAMILY`` runs too.
+Pages are in random order; cells of under 1 GB alternate between two cache
+copies so they do not run from L2.
 
-Exit status: 0 ran, 2 bad arguments, 3 no CUDA GPU (message on stderr).
+Knobs timed per cell (µs per call under CUDA-graph replay, median of 5
+replays of 20 calls, in ``--rounds`` interleaved rounds):
+``cap``: balanced chunks of at most N pages (``max_pages_per_chunk=N``) for
+every even split of the longest request into 1-32 chunks, then steps of a
+quarter octave down to 4 pages; ``uniform``: every request in chunks
+of N pages (``pages_per_chunk=N``), N a power of two; ``default``: the plan
+``plan_decode`` picks. Each row carries the model's prediction.
+
+The summary gives, per cell, the default's time against the best knob
+(``regret`` = default / best - 1). Exit status: 0 ran, 2 bad arguments, 3 no
+CUDA GPU (message on stderr).
 """
 
 from __future__ import annotations
@@ -25,86 +39,179 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common  # noqa: E402
 
-CELLS = ("1x4096", "1x16384", "1x32768", "1x131072", "4x16384", "4x32768", "4x131072", "1x32768x32",
-         "1x4096x16x64x8x128", "1x16384x16x64x8x128", "1x4096x16x32x8x64", "1x16384x16x32x32x128")
-#: CTA counts to aim at: under, at and over one and two CTAs per SM on 132 SMs.
-TARGETS = (64, 100, 128, 132, 160, 200, 232, 256, 264, 330, 396, 528, 792)
-COLUMNS = ("batch", "ctx", "page_size", "num_qo_heads", "num_kv_heads", "head_dim", "pages_per_chunk",
-           "num_ctas", "us_round1", "us_round2", "default")
+CELLS = ("1x1024", "1x4096", "1x16384", "1x131072", "4x4096", "4x32768", "8x1024", "8x32768", "32x4096",
+         "32x32768", "128x8192")
+COLUMNS = ("cell", "batch", "kv_dtype", "knob", "value", "num_chunks", "num_ctas", "model_us", "us_round1",
+           "us_round2", "us", "default")
 DEFAULT_SHAPE = (16, 32, 8, 128)  # page, hq, hkv, d
+MIN_CAP = 4  # the planner's ladder (schedule.candidate_caps) down to chunks of 4 pages
 
 
 def parse_cell(text: str) -> tuple[int, ...]:
     """``"4x32768"`` -> (4, 32768, 16, 32, 8, 128); all six may be given."""
-    parts = [int(v) for v in text.lower().split("x")]
+    try:
+        parts = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        parts = []
     if len(parts) < 2 or len(parts) > 6 or min(parts) < 1:
         raise argparse.ArgumentTypeError(f"cell {text!r}: BATCHxCTX[xPAGExHQxHKVxD], positive integers")
     return tuple(parts + list(DEFAULT_SHAPE[len(parts) - 2:]))
 
 
-def candidates(longest_pages: int, batch: int, ctas_per_chunk: int, default: int) -> list[int]:
-    """Chunk sizes (pages) reaching each of TARGETS CTAs for ``batch`` equal
-    requests of ``longest_pages`` pages, plus the default.
+def parse_ragged(text: str) -> tuple[int, str, int]:
+    """``"64:onelong:131072:512"`` -> (64, "onelong:131072:512", 0); a last
+    ``:SEED`` past the distribution's arguments is the seed."""
+    batch, _, spec = text.partition(":")
+    try:
+        b = int(batch)
+        name, args = _common.parse_lengths(spec)
+        seed = 0
+    except ValueError:
+        try:  # a trailing seed
+            spec, _, seed_text = spec.rpartition(":")
+            b, seed = int(batch), int(seed_text)
+            _common.parse_lengths(spec)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"ragged cell {text!r}: BATCH:DISTRIBUTION[:SEED] ({exc})") from None
+    if b < 1:
+        raise argparse.ArgumentTypeError(f"ragged cell {text!r}: batch must be >= 1")
+    return b, spec, seed
 
-    >>> candidates(256, 1, 8, 16)[:4]
-    [3, 4, 6, 7]
+
+def knobs(longest_pages: int) -> list[tuple[str, int]]:
+    """``(knob, value)`` pairs timed for a cell whose longest request has
+    ``longest_pages`` pages.
+
+    >>> [v for k, v in knobs(64) if k == "uniform"]
+    [1, 2, 4, 8, 16, 32, 64]
+    >>> [v for k, v in knobs(64) if k == "cap"][:6], [v for k, v in knobs(64) if k == "cap"][-3:]
+    ([64, 32, 22, 16, 13, 11], [4, 3, 2])
     """
-    cs = {default}
-    for target in TARGETS:
-        chunks = max(1, -(-target // (ctas_per_chunk * batch)))
-        cs.add(max(1, -(-longest_pages // chunks)))
-    return sorted(cs)
+    from cupaged.schedule import candidate_caps
+
+    caps = candidate_caps(longest_pages, MIN_CAP).tolist()
+    out = [("cap", c) for c in sorted(caps, reverse=True)]
+    c = 1
+    while c <= longest_pages:
+        out.append(("uniform", c))
+        c *= 2
+    return out
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
-    p.add_argument("--cells", nargs="+", type=parse_cell, default=[parse_cell(c) for c in CELLS])
-    p.add_argument("--csv", default=None)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="*", type=parse_cell, default=None,
+                   help="uniform cells BATCHxCTX[xPAGExHQxHKVxD] (default: a ladder of 11 fp16 cells)")
+    p.add_argument("--lengths", nargs="*", type=parse_ragged, default=None,
+                   help="ragged cells BATCH:DISTRIBUTION[:SEED] (default: the ragged family)")
+    p.add_argument("--no-ragged", action="store_true", help="skip the ragged family (when --lengths is not given)")
+    p.add_argument("--kv-dtype", choices=("fp16", "fp8"), default="fp16",
+                   help="KV cache: fp16, or fp8 e4m3 under an fp16 query")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (default 2)")
+    p.add_argument("--quick", action="store_true", help="time only every second cap (a faster, coarser sweep)")
+    p.add_argument("--csv", default=None, help="write every timed row to this CSV file")
     return p.parse_args(argv)
+
+
+def _cells(args):
+    uniform = args.cells if args.cells is not None else [parse_cell(c) for c in CELLS]
+    for batch, ctx, page, hq, hkv, d in uniform:
+        yield f"{batch}x{ctx}", (batch, ctx, page, hq, hkv, d), None
+    ragged = args.lengths
+    if ragged is None:
+        ragged = [] if args.no_ragged else list(_common.RAGGED_FAMILY)
+    for batch, spec, seed in ragged:
+        yield f"{batch}:{spec}:{seed}", (batch, 0) + DEFAULT_SHAPE, (spec, seed)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.rounds < 1:
+        print("--rounds must be >= 1", file=sys.stderr)
+        return 2
     _common.require_gpu()
     import cupy
     import numpy as np
 
     import cupaged
-    from cupaged import autotune
-    from cupaged.plan import plan_decode
+    from cupaged import autotune, schedule
+    from cupaged.plan import ctas_per_sm, plan_decode, resolve_num_sms
 
-    rows = []
+    fp8 = args.kv_dtype == "fp8"
+    kv_dtype = np.uint8 if fp8 else None
+    rows, summary = [], []
     print(",".join(COLUMNS), flush=True)
-    for batch, ctx, page, hq, hkv, d in args.cells:
-        layout = _common.plan_layout(batch, ctx, page, seed=batch * 7 + ctx, mid_page=False, page_order="random")
-        dev = _common.make_device_batch(layout, hq, hkv, d, np.float16, seed=1, replicas=2)
+    for name, (batch, ctx, page, hq, hkv, d), ragged in _cells(args):
+        if ragged is None:
+            layout = _common.plan_layout(batch, ctx, page, seed=batch * 7 + ctx, mid_page=False, page_order="random")
+        else:
+            lens = _common.ragged_lengths(ragged[0], batch, ragged[1])
+            layout = _common.lengths_layout(lens, page, seed=ragged[1])
+        kv_bytes = _common.kv_bytes(layout, hkv, d, 1 if fp8 else 2)
+        replicas = 2 if kv_bytes < 2**30 else 1
+        dev = _common.make_device_batch(layout, hq, hkv, d, np.float16, seed=1, replicas=replicas)
+        caches = dev.caches
+        if fp8:
+            caches = [tuple(cupaged.fp8.to_e4m3(x) for x in pair) for pair in caches]
+            _common.free_gpu_memory()
         table = dev.table
-        default = plan_decode(table, hq, hkv, d, "float16")
-        plans = {c: plan_decode(table, hq, hkv, d, "float16", pages_per_chunk=c)
-                 for c in candidates(int(layout.request_pages.max()), batch, default.grid[1],
-                                     default.pages_per_chunk)}
+        pages = np.asarray(layout.request_pages)
+        default = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype)
+        plans = {("default", default.pages_per_chunk): default}
+        chosen = list(knobs(int(pages.max())))
+        if args.quick:
+            chosen = chosen[::2]
+        for knob, value in chosen:
+            kw = {"max_pages_per_chunk": value} if knob == "cap" else {"pages_per_chunk": value}
+            plan = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype, **kw)
+            if plan.num_ctas <= 400_000:
+                plans[(knob, value)] = plan
+        slots = ctas_per_sm(np.dtype(np.float16), default.kv_dtype, d, default.heads_per_cta) * resolve_num_sms()
+        page_bytes = page * 2 * d * (1 if fp8 else 2)
         out = cupy.empty_like(dev.q)
-        times: dict[int, list[float]] = {c: [] for c in plans}
-        for _ in range(2):
-            for c, plan in plans.items():
+        times: dict = {key: [] for key in plans}
+        for _ in range(args.rounds):
+            for key, plan in plans.items():
                 turn = [0]
 
                 def call(plan=plan, turn=turn):
-                    k, v = dev.caches[turn[0] % 2]
+                    k, v = caches[turn[0] % len(caches)]
                     turn[0] += 1
                     cupaged.decode(dev.q, k, v, table, plan, method="v2", out=out)
 
-                times[c].append(autotune.graph_time_us(call, launches=20, reps=5))
-        for c, plan in plans.items():
-            row = dict(batch=batch, ctx=ctx, page_size=page, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
-                       pages_per_chunk=c, num_ctas=plan.num_ctas, us_round1=round(times[c][0], 2),
-                       us_round2=round(times[c][1], 2), default=int(c == default.pages_per_chunk))
+                times[key].append(autotune.graph_time_us(call, launches=20, reps=5))
+        min_pages = -(-128 // page)
+        default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, slots, page_bytes, min_pages)
+        for (knob, value), plan in plans.items():
+            if knob in ("cap", "default"):
+                cap = value if knob == "cap" else default_cap
+                model = float(schedule.predict_step_us(pages, np.array([cap]), plan.heads_groups, slots,
+                                                       page_bytes)[0])
+            else:
+                model = float("nan")
+            us = float(np.median(times[(knob, value)]))
+            row = dict(cell=name, batch=batch, kv_dtype=args.kv_dtype, knob=knob, value=value,
+                       num_chunks=plan.num_chunks, num_ctas=plan.num_ctas, model_us=round(model, 2),
+                       us_round1=round(times[(knob, value)][0], 2), us_round2=round(times[(knob, value)][-1], 2),
+                       us=round(us, 2), default=int(knob == "default"))
             rows.append(row)
             print(",".join(str(row[k]) for k in COLUMNS), flush=True)
-        del dev
+        best_key = min(times, key=lambda k: float(np.median(times[k])))
+        best = float(np.median(times[best_key]))
+        dflt = float(np.median(times[("default", default.pages_per_chunk)]))
+        gb = kv_bytes / 1e9
+        summary.append((name, args.kv_dtype, dflt, best, f"{best_key[0]}={best_key[1]}", dflt / best - 1,
+                        gb / (dflt * 1e-6) / 1e3))
+        del dev, caches
         _common.free_gpu_memory()
     if args.csv:
         _common.write_csv(args.csv, COLUMNS, rows)
+    print("SUMMARY cell kv default_us best_us best_knob regret default_TB/s")
+    for name, kv, dflt, best, knob, regret, tbs in summary:
+        print(f"SUMMARY {name} {kv} {dflt:.2f} {best:.2f} {knob} {regret * 100:+.1f}% {tbs:.2f}")
+    worst = max(s[5] for s in summary) if summary else 0.0
+    print(f"SUMMARY worst regret {worst * 100:+.1f}% over {len(summary)} cells")
     return 0
 
 

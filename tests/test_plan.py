@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from cupaged import plan as plan_mod
+from cupaged import schedule
 from cupaged.errors import InvalidArgumentError, PlanMismatchError
 from cupaged.page_table import PageTable
 from cupaged.plan import (
     CTAS_PER_SM,
     MAX_GRID_X,
-    MAX_GRID_YZ,
     MAX_HEADS_PER_CTA,
     DecodePlan,
     choose_pages_per_chunk,
@@ -250,21 +250,21 @@ def test_plan_grid_bounds():
         p = plan_decode(t, hkv * g, hkv, 128, "bfloat16",
                         target_ctas=int(rng.integers(1, 5000)))
         x, y, z = p.grid
-        assert x == p.num_chunks and 1 <= x <= MAX_GRID_X
-        assert y == hkv * p.q_groups and 1 <= y <= MAX_GRID_YZ
-        assert z == 1
-        assert p.num_ctas == x * y
+        assert p.heads_groups == hkv * p.q_groups
+        assert x == p.num_chunks * p.heads_groups == p.num_ctas and 1 <= x <= MAX_GRID_X
+        assert (y, z) == (1, 1)
         assert p.q_groups * p.heads_per_cta == p.group_size == g
         assert p.heads_per_cta == heads_per_cta(g)
-    t = make_table(rng, [10], 16)
-    # grid y exactly at the limit is fine ...
-    p = plan_decode(t, MAX_GRID_YZ, MAX_GRID_YZ, 8, "float16")
-    assert p.grid[1] == MAX_GRID_YZ
-    # ... one more is rejected, both through kv heads and through q groups
+    t = make_table(rng, [160], 16)  # 10 pages
+    # a grid exactly at the limit is fine ...
+    h = MAX_GRID_X // 10
+    p = plan_decode(t, h, h, 8, "float16", pages_per_chunk=1)
+    assert p.grid[0] == 10 * h <= MAX_GRID_X
+    # ... one CTA more per chunk is rejected, through kv heads and through q groups
     with pytest.raises(ValueError, match="grid"):
-        plan_decode(t, MAX_GRID_YZ + 1, MAX_GRID_YZ + 1, 8, "float16")
+        plan_decode(t, h + 1, h + 1, 8, "float16", pages_per_chunk=1)
     with pytest.raises(ValueError, match="grid"):
-        plan_decode(t, 8192 * 11, 8192, 8, "float16")  # g=11 -> 11 q groups
+        plan_decode(t, (h // 10) * 11, h // 10, 8, "float16", pages_per_chunk=1)  # g=11 -> 11 q groups
 
 
 def test_needs_merge_and_workspace_bytes():
@@ -359,7 +359,8 @@ def test_env_num_sms(no_device, monkeypatch):
     monkeypatch.setenv("CUPAGED_NUM_SMS", "10")           # read at call time
     p = plan_decode(t, 8, 8, 64, "float16")
     assert p.target_ctas == 20
-    assert p.pages_per_chunk == plan_mod.default_pages_per_chunk([400, 3], 8, 10, t.page_size)
+    cap = schedule.choose_max_pages_per_chunk(np.array([400, 3]), 8, 2 * 10, 16 * 2 * 64 * 2, 8)
+    assert p.pages_per_chunk == int(schedule.split_pages(np.array([400]), cap)[0][0])
     # the argument beats the env variable
     assert plan_decode(t, 8, 8, 64, "float16", num_sms=20).target_ctas == 40
     monkeypatch.setenv("CUPAGED_NUM_SMS", "zero")
@@ -423,7 +424,7 @@ def test_env_target_ctas(no_device, monkeypatch):
     (dict(target_ctas=2.5), "target_ctas"),
     (dict(num_sms=0), "num_sms"),
     (dict(num_sms=-1), "num_sms"),
-    (dict(num_qo_heads=2 * 65536, num_kv_heads=65536), "grid"),
+    (dict(num_qo_heads=2**31, num_kv_heads=2**30), "grid"),
 ])
 def test_plan_decode_value_errors(kwargs, match):
     rng = np.random.default_rng(13)
@@ -529,48 +530,70 @@ def smallest_c_within(request_pages, ctas_per_chunk, limit):
     return maxp
 
 
-def test_default_pages_per_chunk_rules():
-    def even(longest, c):  # same chunk count for the longest request, even chunks
-        return -(-longest // -(-longest // c))
+def brute_split(pages, cap):
+    """Fewest chunks of at most ``cap`` pages per request, made equal."""
+    out = []
+    for p in pages:
+        n = max(1, -(-int(p) // cap))
+        out.append((max(1, -(-int(p) // n)), n))
+    return out
 
-    # one wave (2 CTAs per SM): batch 4, ctx 32768 -> 8 chunks of 256 pages, 256 CTAs
-    assert plan_mod.default_pages_per_chunk([2048] * 4, 8, 132, 16) == 256
-    # batch 1, ctx 131072: 33 chunks (264 CTAs) of 4096 tokens, evened out
-    assert plan_mod.default_pages_per_chunk([8192], 8, 132, 16) == even(8192, smallest_c_within([8192], 8, 264)) == 249
-    # many short chunks for one request (33 of 128 tokens) -> at most one CTA per SM
-    assert smallest_c_within([256], 8, 264) == 8
-    assert plan_mod.default_pages_per_chunk([256], 8, 132, 16) == smallest_c_within([256], 8, 132) == 16
-    # ... but not when the wave's chunks are long (1024 tokens) or few (8 per request)
-    assert plan_mod.default_pages_per_chunk([4096], 8, 132, 16) == smallest_c_within([4096], 8, 264) == 125
-    assert plan_mod.default_pages_per_chunk([2048], 8, 132, 16) == 128  # 33 x 1008 tokens: one per SM
-    assert plan_mod.default_pages_per_chunk([64] * 4, 8, 132, 16) == 8
-    # MHA, ctx 16384: 32 kv heads = 32 CTAs per chunk -> 8 chunks of 128 pages
-    assert plan_mod.default_pages_per_chunk([1024], 32, 132, 16) == 128
-    # a batch that already fills a wave is not split
-    assert plan_mod.default_pages_per_chunk([256] * 128, 8, 132, 16) == 256
-    assert plan_mod.default_pages_per_chunk([256] * 34, 8, 132, 16) == 256
-    # never below MIN_CHUNK_TOKENS, never above the longest request
-    assert plan_mod.default_pages_per_chunk([64], 8, 132, 16) == 128 // 16
-    assert plan_mod.default_pages_per_chunk([2], 8, 132, 16) == 2
-    assert plan_mod.default_pages_per_chunk([1000], 8, 132, 1) == 125  # 128 floored, evened to 8 x 125
-    assert plan_mod.default_pages_per_chunk([0, 0], 8, 132, 16) == 1
-    # ragged batches: within one wave, and the result is a chunk size the rules allow
+
+def test_default_plan_is_balanced_and_minimizes_the_model():
     rng = np.random.default_rng(5)
     for _ in range(200):
-        pages = rng.integers(0, 3000, size=int(rng.integers(1, 40)))
-        cpc = int(rng.choice([4, 8, 32]))
-        c = plan_mod.default_pages_per_chunk(pages, cpc, 132, 16)
-        longest = max(1, int(pages.max()))
-        wave = smallest_c_within(pages, cpc, 264)
-        one = smallest_c_within(pages, cpc, 132)
-        pick = one if -(-longest // wave) > plan_mod.SPLIT_LIMIT and wave * 16 < plan_mod.LONG_CHUNK_TOKENS else wave
-        pick = min(max(pick, 8), longest)
-        evened = even(longest, pick)
-        assert c == (evened if num_chunks(pages, evened) == num_chunks(pages, pick) else pick), (pages.tolist(), cpc)
-        assert num_chunks(pages, c) * cpc <= max(264, len(pages) * cpc)  # never past one wave
-    # plan_decode uses it unless a target or a chunk size is given
-    t = table_from_pages(np.random.default_rng(3), [1024] * 8)
-    assert plan_decode(t, 64, 8, 128, "float16", num_sms=132).pages_per_chunk == 256
+        pages = rng.integers(0, 3000, size=int(rng.integers(1, 70)))
+        if rng.random() < 0.3:
+            pages[0] = int(rng.integers(3000, 20000))  # one long request among short ones
+        hkv = int(rng.choice([1, 8, 32]))
+        t = table_from_pages(rng, pages)
+        p = plan_decode(t, 4 * hkv, hkv, 128, "float16", num_sms=132)
+        # the cap the model picks, over the same ladder, from the outside
+        caps = schedule.candidate_caps(max(1, int(pages.max())), 8)
+        model = schedule.predict_step_us(pages, caps, hkv, 264, 16 * 2 * 128 * 2)
+        best = caps[len(caps) - 1 - int(np.argmin(model[::-1]))]
+        assert [tuple(x) for x in zip(p.request_chunk_pages.tolist(), p.request_chunks.tolist())] == \
+            brute_split(pages, best), pages.tolist()
+        assert p.pages_per_chunk == max(c for c, _ in brute_split(pages, best))
+        # every request has its chunks, even an empty one; chunks of a request differ by at most its last
+        assert (p.request_chunks >= 1).all() and p.num_chunks == p.request_chunks.sum()
+        start, end = p.chunk_page_ranges(t)
+        sizes = end - start
+        assert (sizes <= p.request_chunk_pages[p.chunk_request]).all()
+        # launch order: a permutation of the chunks, longest first
+        assert sorted(p.launch_order.tolist()) == list(range(p.num_chunks))
+        assert (np.diff(sizes[p.launch_order]) <= 0).all()
+
+
+def test_default_plan_splits_the_long_request_of_a_ragged_batch():
+    # one request of 131072 tokens among 63 of 512 (page 16): the long one is
+    # split into equal chunks, the short ones stay whole and fill the SMs
+    t = table_from_pages(np.random.default_rng(1), [8192] + [32] * 63)
+    p = plan_decode(t, 32, 8, 128, "float16", num_sms=132)
+    assert p.request_chunks[0] > 16 and (p.request_chunks[1:] == 1).all()
+    assert p.pages_per_chunk == p.request_chunk_pages[0] and p.pages_per_chunk * p.request_chunks[0] >= 8192
+    assert p.chunk_request[p.launch_order[: p.request_chunks[0]]].tolist() == [0] * int(p.request_chunks[0])
+    # uniform batches: wave-aligned even splits, or none when the batch fills the device
+    assert plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 4), 32, 8, 128, "float16",
+                       num_sms=132).num_ctas == 256
+    assert plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 32), 32, 8, 128, "float16",
+                       num_sms=132).request_chunks.max() == 1
+    # never below MIN_CHUNK_TOKENS (capped at the longest request)
+    assert plan_decode(table_from_pages(np.random.default_rng(2), [64]), 32, 8, 128, "float16",
+                       num_sms=132).pages_per_chunk >= 8
+    assert plan_decode(table_from_pages(np.random.default_rng(2), [0, 0]), 32, 8, 128, "float16",
+                       num_sms=132).pages_per_chunk == 1
+
+
+def test_plan_matches_with_balanced_chunks():
+    rng = np.random.default_rng(8)
+    t = table_from_pages(rng, [100, 7])
+    p = plan_decode(t, 32, 8, 128, "float16", max_pages_per_chunk=30)
+    assert p.request_chunk_pages.tolist() == [25, 7] and p.request_chunks.tolist() == [4, 1]
+    assert p.matches(table_from_pages(rng, [98, 6]))        # still 4 chunks of 25 and 1 of 7
+    assert not p.matches(table_from_pages(rng, [101, 7]))   # 101 pages need a 5th chunk of 25
+    assert not p.matches(table_from_pages(rng, [75, 7]))    # 3 chunks now
+    assert not p.matches(table_from_pages(rng, [100, 8]))   # the short one's chunk is 7 pages
 
 
 # --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import argparse
 import importlib
 import json
 import math
@@ -1270,17 +1271,24 @@ def test_chunk_sweep_exit_codes():
     assert _run("scripts/chunk_sweep.py", "--cells", "4").returncode == 2
 
 
-def test_chunk_sweep_cells_and_candidates():
+def test_chunk_sweep_cells_and_knobs():
     chunk_sweep = importlib.import_module("chunk_sweep")
     assert chunk_sweep.parse_cell("4x32768") == (4, 32768, 16, 32, 8, 128)
     assert chunk_sweep.parse_cell("1X4096x16x64x8x64") == (1, 4096, 16, 64, 8, 64)
-    # batch 1, ctx 131072 at page 16, 8 CTAs per chunk: one candidate per CTA target
-    cs = chunk_sweep.candidates(8192, 1, 8, 249)
-    assert cs == sorted(set(cs)) and 249 in cs and 256 in cs
-    for c in cs:
-        assert 1 <= c <= 8192
-    ctas = {8 * -(-8192 // c) for c in cs}
-    assert {264, 256, 128, 792} <= ctas
+    assert chunk_sweep.parse_ragged("64:onelong:131072:512") == (64, "onelong:131072:512", 0)
+    assert chunk_sweep.parse_ragged("8:uniform:1:32768:6") == (8, "uniform:1:32768", 6)
+    for bad in ("0:uniform:1:5", "8:normal:1:2", "8:uniform:1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            chunk_sweep.parse_ragged(bad)
+    # batch 1, ctx 131072 at page 16: every even split of the longest request
+    # into 1-32 chunks, the planner's whole ladder, and powers of two
+    knobs = chunk_sweep.knobs(8192)
+    caps = [v for k, v in knobs if k == "cap"]
+    assert caps == sorted(set(caps), reverse=True) and caps[0] == 8192 and caps[-1] == 4
+    assert {-(-8192 // n) for n in range(1, 33)} <= set(caps)
+    from cupaged import schedule
+    assert set(schedule.candidate_caps(8192, 8).tolist()) <= set(caps)
+    assert [v for k, v in knobs if k == "uniform"] == [2**i for i in range(14)]
 
 
 @pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
@@ -1383,7 +1391,6 @@ def test_fp8_mode_on_a_fake_gpu(fake_gpu, tmp_path, capsys, monkeypatch):
         assert r["flashinfer_16bit_over_fp8"] == pytest.approx(r["flashinfer_us"] / r["flashinfer_fp8_us"])
         assert r["v2_fp8_over_flashinfer_fp8"] == pytest.approx(fi8 / r["v2_fp8_us"])
         assert r["v2_fp8_tbps"] == pytest.approx(r["total_bytes_fp8"] / (r["v2_fp8_us"] * 1e-6) / 1e12)
-        assert r["v2_fp8_pages_per_chunk"] == r["v2_pages_per_chunk"]
         assert r["v2_fp8_max_rel_vs_v2"] == 0.0 and r["v2_fp8_host_us"] is not None
     md = (tmp_path / "microbench-fp8.md").read_text()
     assert md.startswith("# cupaged paged-decode microbenchmark: fp8") and "| v2 16/8 |" in md

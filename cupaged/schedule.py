@@ -1,0 +1,191 @@
+"""Balanced work units and the predicted time of a decode step.
+
+The partial kernel runs one CTA per (chunk, kv head, q-head group). The
+default plan splits each request into the fewest **equal** chunks of at most
+``L`` pages (:func:`split_pages`), and the kernel launches them longest first,
+so the short requests of a ragged batch fill the SMs beside the chunks of a
+long one. ``L`` is chosen by :func:`choose_max_pages_per_chunk`: the value of
+a small candidate ladder that minimizes :func:`predict_step_us`.
+
+The model (constants in :class:`StepCosts`, fitted on the H200; the sweep and
+the fit are in docs/architecture.md, "Ragged batches: balanced units"):
+
+* ``S`` CTA slots (resident CTAs per SM x SMs) run the CTAs in launch order
+  (longest first: list scheduling, LPT).
+* A CTA of ``c`` pages costs ``cta_us + c * page_bytes / rate``, where the
+  rate per CTA is ``min(cta_gbps, hbm_gbps / min(C, S))`` for a grid of ``C``
+  CTAs: a full device shares the HBM bandwidth, a small grid is bound by what
+  one CTA can keep in flight.
+* Requests are taken longest first (past the longest few, as groups of
+  equal count with their mean length: the model's cost stays flat in the
+  batch size).
+* The makespan of LPT is close to its lower bound: over every prefix of the
+  CTAs sorted longest first (``N_j`` CTAs, the shortest of them ``u_j`` long,
+  ``W_j`` in total), ``max(W_j / S, ceil(N_j / S) * u_j)``. This is exact for
+  equal units in full waves, charges a partial last wave in full, and for one
+  long request among short ones gives ``max(longest unit, work / S)``.
+* A request split into ``n > 1`` chunks adds the merge that its last CTA runs:
+  ``merge_us + merge_us_per_chunk * n`` for the request with most chunks.
+
+Everything here is NumPy on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+__all__ = ["StepCosts", "H200_COSTS", "split_pages", "candidate_caps", "predict_step_us",
+           "choose_max_pages_per_chunk"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Constants of the step-time model (:func:`predict_step_us`).
+
+    * ``hbm_gbps``: KV bytes per µs x 1e-3 the whole device streams (GB/s).
+    * ``cta_gbps``: what one CTA streams when it has the HBM to itself (GB/s).
+    * ``cta_us``: fixed cost of one CTA (query, page ids, ring fill, partial
+      write), µs.
+    * ``merge_us``, ``merge_us_per_chunk``: the merge run by a split request's
+      last CTA, µs (fixed and per chunk).
+    """
+
+    hbm_gbps: float
+    cta_gbps: float
+    cta_us: float
+    merge_us: float
+    merge_us_per_chunk: float
+
+
+#: Fitted on the H200 (2026-12-01; fp16, 32 q / 8 kv heads, head_dim 128, page
+#: 16) by scripts/fit_step_model.py to the chunk sweep
+#: docs/benchmarks/chunk-sweep-h200-2026-12-01.csv; docs/architecture.md
+#: "Ragged batches: balanced units" has the sweep and the per-cell regrets.
+H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0, merge_us_per_chunk=0.35)
+
+
+#: Even splits of the longest request that the candidate ladder lists one by one.
+SPLITS = 32
+
+
+def split_pages(pages: np.ndarray, max_pages_per_chunk) -> tuple[np.ndarray, np.ndarray]:
+    """``(chunk_pages, chunks)`` per request: the fewest chunks of at most
+    ``max_pages_per_chunk`` pages, ``chunks = max(1, ceil(p / L))``, made equal
+    (``chunk_pages = ceil(p / chunks)``, at least 1; the last chunk may be
+    shorter). ``chunks == max(1, ceil(p / chunk_pages))`` holds, so a plan can
+    recount a grown table with ``chunk_pages`` alone. Broadcasts: ``pages``
+    ``[B]`` and ``max_pages_per_chunk`` a scalar or ``[K, 1]``.
+
+    >>> c, n = split_pages(np.array([0, 1, 10, 11, 64]), 8)
+    >>> c.tolist(), n.tolist()
+    ([1, 1, 5, 6, 8], [1, 1, 2, 2, 8])
+    """
+    pages = np.asarray(pages, dtype=np.int64)
+    chunks = np.maximum(1, -(-pages // max_pages_per_chunk))
+    chunk_pages = np.maximum(1, -(-pages // chunks))
+    return chunk_pages, chunks
+
+
+def candidate_caps(longest: int, min_pages: int) -> np.ndarray:
+    """Chunk caps ``L`` the default plan considers, descending: the even
+    splits ``ceil(longest / n)`` of the longest request into ``n`` = 1-32
+    chunks, then ``n`` in steps of a quarter octave, never below
+    ``min_pages`` (capped at ``longest``). Each is an exact even split of the
+    longest request, so uniform batches meet their wave-aligned splits.
+    scripts/chunk_sweep.py times the same ladder.
+
+    >>> candidate_caps(2048, 8)[:6].tolist()
+    [2048, 1024, 683, 512, 410, 342]
+    >>> candidate_caps(2048, 8)[-3:].tolist()
+    [12, 10, 8]
+    >>> candidate_caps(4, 8).tolist()
+    [4]
+    """
+    longest = max(1, int(longest))
+    floor = min(max(1, int(min_pages)), longest)
+    counts = list(range(1, SPLITS + 1))
+    n = float(SPLITS)
+    while longest / n >= floor:
+        n *= 2 ** 0.25
+        counts.append(int(round(n)))
+    caps = -(-longest // np.array(counts, dtype=np.int64))
+    return np.unique(np.clip(caps, floor, longest))[::-1]
+
+
+def predict_step_us(pages: np.ndarray, caps: np.ndarray, ctas_per_chunk: int, slots: int,
+                    page_bytes: int, costs: StepCosts = H200_COSTS) -> np.ndarray:
+    """Predicted µs of the attention part of a step (launch overhead aside)
+    for each chunk cap in ``caps`` (``[K]``), requests of ``pages`` pages
+    (``[B]``), ``ctas_per_chunk`` CTAs per chunk (kv heads x q-head groups),
+    ``slots`` resident CTAs on the device and ``page_bytes`` KV bytes one CTA
+    reads per page (``page_size * 2 * head_dim * kv itemsize``). The model is
+    the module docstring's.
+
+    >>> pages = np.array([8192] + [32] * 63)       # one 131072-token request + 63 of 512
+    >>> t = predict_step_us(pages, np.array([8192, 512, 256, 64]), 8, 264, 16 * 512)
+    >>> int(np.argmin(t))                          # unsplit, the long request runs alone
+    2
+    """
+    length, weight = _groups(pages)
+    caps = np.asarray(caps, dtype=np.float64).reshape(-1, 1)
+    chunks = np.ceil(length / caps)                                  # [K, G] (0 for an empty request)
+    unit_bytes = np.ceil(length / np.maximum(chunks, 1)) * float(page_bytes)
+    ctas = np.maximum(chunks, 1) * (weight * ctas_per_chunk)
+    n_prefix = np.cumsum(ctas, axis=1)
+    full_rate = _rate(costs, slots)
+    unit_full = costs.cta_us + unit_bytes / full_rate
+    work = np.cumsum(ctas * unit_full, axis=1) / slots
+    waves, rest = np.divmod(n_prefix, slots)
+    # the prefix's shortest CTAs in full waves, and a partial last wave that
+    # runs at the rate of its own CTA count
+    quant = waves * unit_full + (rest > 0) * (costs.cta_us + unit_bytes / _rate(costs, np.maximum(rest, 1)))
+    bound = np.maximum(work, quant).max(axis=1)
+    most = chunks[:, 0]
+    merge = np.where(most > 1, costs.merge_us + costs.merge_us_per_chunk * most, 0.0)
+    return bound + merge
+
+
+#: Requests the model keeps one by one (the longest); the rest it pools into
+#: equal-count groups of the length order, so a plan's cost stays flat in
+#: the batch size.
+EXACT_REQUESTS = 8
+GROUPS = 24
+
+
+def _groups(pages) -> tuple[np.ndarray, np.ndarray]:
+    """``(length, weight)`` float64 ``[G]``: the requests' page counts in
+    descending order (the launch order of their chunks, LPT), the longest
+    ``EXACT_REQUESTS`` one by one and the rest as the mean of up to
+    ``GROUPS`` runs of equal count (``weight`` requests each).
+
+    >>> _groups(np.array([3, 9, 1]))
+    (array([9., 3., 1.]), array([1., 1., 1.]))
+    """
+    p = np.sort(np.asarray(pages, dtype=np.float64))[::-1]
+    if p.size <= EXACT_REQUESTS + GROUPS:
+        return p, np.ones_like(p)
+    cuts = np.unique(np.concatenate([np.arange(EXACT_REQUESTS),
+                                     np.linspace(EXACT_REQUESTS, p.size, GROUPS + 1)[:-1].astype(np.int64)]))
+    weight = np.diff(np.append(cuts, p.size)).astype(np.float64)
+    return np.add.reduceat(p, cuts) / weight, weight
+
+
+def _rate(costs: StepCosts, concurrent):
+    """Bytes per µs one CTA streams beside ``concurrent - 1`` others."""
+    return np.minimum(costs.cta_gbps, costs.hbm_gbps / concurrent) * 1e3
+
+
+def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: int, page_bytes: int,
+                               min_pages: int, costs: StepCosts = H200_COSTS) -> int:
+    """The chunk cap of :func:`candidate_caps` with the least
+    :func:`predict_step_us` (the largest one among ties: fewer merges).
+
+    >>> choose_max_pages_per_chunk(np.array([2048] * 4), 8, 264, 16 * 512, 8)  # 8 chunks each: 256 CTAs
+    256
+    """
+    pages = np.asarray(pages, dtype=np.int64)
+    caps = candidate_caps(int(pages.max(initial=1)), min_pages)
+    t = predict_step_us(pages, caps, ctas_per_chunk, slots, page_bytes, costs)
+    return int(caps[int(np.argmin(t))])

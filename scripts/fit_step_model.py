@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Fits the constants of the step-time model (cupaged/schedule.py) to a
+chunk sweep (scripts/chunk_sweep.py --csv), and reports, per cell, the chunk
+cap the model picks and its measured regret against the best knob timed.
+
+    python3 scripts/fit_step_model.py docs/benchmarks/chunk-sweep-h200-2026-12-01.csv
+    python3 scripts/fit_step_model.py SWEEP.csv --check      # today's constants, no fit
+
+The fit minimizes the mean regret of the picked caps (the planner's job),
+plus a small weight on the model's log error over every timed cap, by
+coordinate search over a grid of each constant, keeping the constants
+physical (one CTA streams at least its share ``hbm / slots`` of a full
+device; the fit is otherwise free to trade one constant for another). No
+GPU needed.
+Exit status: 0 ran, 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+import _common  # noqa: E402
+import chunk_sweep  # noqa: E402
+from cupaged import schedule  # noqa: E402
+
+GRID = {
+    "hbm_gbps": np.arange(3600.0, 5001.0, 100.0),
+    "cta_gbps": np.arange(12.0, 40.1, 0.5),
+    "cta_us": np.arange(0.0, 6.01, 0.25),
+    "merge_us": np.arange(0.0, 16.01, 0.5),
+    "merge_us_per_chunk": np.arange(0.0, 0.81, 0.025),
+}
+LOG_WEIGHT = 0.05
+
+
+@dataclasses.dataclass
+class Cell:
+    name: str
+    pages: np.ndarray
+    caps: np.ndarray  # timed caps
+    us: np.ndarray  # measured µs per cap
+    best: float  # best µs over every knob (uniform chunks too)
+    ctas_per_chunk: int
+    page_bytes: int
+
+
+def load(path: str, page_size: int = 16, slots: int = 264) -> list[Cell]:
+    rows = list(csv.DictReader(open(path)))
+    cells = []
+    for name in dict.fromkeys(r["cell"] for r in rows):
+        rs = [r for r in rows if r["cell"] == name]
+        kv = rs[0]["kv_dtype"]
+        if ":" in name:
+            batch, spec, seed = chunk_sweep.parse_ragged(name)
+            family = {f"{b}:{sp}": sd for b, sp, sd in _common.RAGGED_FAMILY}
+            seed = family.get(name, seed)  # a family cell's name omits its seed
+            lens = _common.ragged_lengths(spec, batch, seed)
+        else:
+            batch, ctx, page, hq, hkv, d = chunk_sweep.parse_cell(name)
+            lens = _common.plan_layout(batch, ctx, page, seed=batch * 7 + ctx, mid_page=False,
+                                       page_order="random").seq_lens
+        pages = -(-np.asarray(lens) // page_size)
+        caps = [(int(r["value"]), float(r["us"])) for r in rs if r["knob"] == "cap"]
+        cps = int(rs[0]["num_ctas"]) // int(rs[0]["num_chunks"])
+        cells.append(Cell(name, pages, np.array([c for c, _ in caps]), np.array([u for _, u in caps]),
+                          min(float(r["us"]) for r in rs), cps, page_size * 2 * 128 * (1 if kv == "fp8" else 2)))
+    return cells
+
+
+def regrets(cells: list[Cell], costs: schedule.StepCosts, slots: int, min_pages: int) -> list[tuple]:
+    out = []
+    for c in cells:
+        ok = c.caps >= min(min_pages, int(c.pages.max()))
+        caps, us = c.caps[ok], c.us[ok]
+        model = schedule.predict_step_us(c.pages, caps, c.ctas_per_chunk, slots, c.page_bytes, costs)
+        pick = int(np.argmin(model[::-1]))  # ties: the largest cap (caps are descending)
+        pick = len(caps) - 1 - pick
+        log_err = float(np.std(np.log(model / us)))
+        out.append((c.name, int(caps[pick]), float(us[pick]), c.best, float(us[pick]) / c.best - 1, log_err))
+    return out
+
+
+def loss(cells, costs, slots, min_pages) -> float:
+    r = regrets(cells, costs, slots, min_pages)
+    return float(np.mean([x[4] for x in r]) + 0.5 * max(x[4] for x in r) + LOG_WEIGHT * np.mean([x[5] for x in r]))
+
+
+def fit(cells, start: schedule.StepCosts, slots: int, min_pages: int, sweeps: int = 4) -> schedule.StepCosts:
+    best = start
+    best_loss = loss(cells, best, slots, min_pages)
+    for _ in range(sweeps):
+        for field, grid in GRID.items():
+            for v in grid:
+                trial = dataclasses.replace(best, **{field: float(v)})
+                if trial.cta_gbps * slots < trial.hbm_gbps:
+                    continue  # a CTA streams at least its share of a full device
+                value = loss(cells, trial, slots, min_pages)
+                if value < best_loss - 1e-12:
+                    best, best_loss = trial, value
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("csv", nargs="+", help="chunk-sweep CSV files (scripts/chunk_sweep.py --csv)")
+    p.add_argument("--check", action="store_true", help="report today's constants without fitting")
+    p.add_argument("--min-pages", type=int, default=4,
+                   help="smallest cap the planner considers, in pages of 16 tokens")
+    p.add_argument("--slots", type=int, default=264, help="resident CTAs on the device (2 per SM x 132 SMs)")
+    args = p.parse_args(argv)
+    cells = [c for path in args.csv for c in load(path)]
+    costs = schedule.H200_COSTS if args.check else fit(cells, schedule.H200_COSTS, args.slots, args.min_pages)
+    print(costs)
+    worst = 0.0
+    for name, cap, us, best, regret, log_err in regrets(cells, costs, args.slots, args.min_pages):
+        worst = max(worst, regret)
+        print(f"{name:28s} cap {cap:5d} {us:9.2f} us  best {best:9.2f}  regret {regret * 100:+5.1f}%  "
+              f"model log-error {log_err:.2f}")
+    print(f"worst regret {worst * 100:+.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
