@@ -108,6 +108,8 @@ DETERMINISTIC_CHUNK_TOKENS = 1024
 # --------------------------------------------------------------------------
 def _positive_int(value: Any, name: str) -> int:
     """``value`` as a Python int >= 1, else ValueError naming ``name``."""
+    if type(value) is int and value >= 1:  # the common case, without the ABC checks
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
     value = int(value)
@@ -385,11 +387,20 @@ def resolve_target_ctas(target_ctas: int | None = None,
 # --------------------------------------------------------------------------
 def _readonly_int32(arr: Any, name: str) -> np.ndarray:
     a = np.asarray(arr)
+    if (a.dtype == np.int32 and a.ndim == 1 and a.base is None and a.flags.c_contiguous
+            and not a.flags.writeable):
+        return a  # plan_decode's own frozen arrays: nobody else holds them
     if a.ndim != 1:
         raise InvalidArgumentError(f"{name} must be 1-D, got shape {a.shape}")
     a = np.array(a, dtype=np.int32, copy=True, order="C")
     a.flags.writeable = False
     return a
+
+
+def _frozen_int32(a: np.ndarray) -> np.ndarray:
+    out = a.astype(np.int32)  # a new array, owned by the plan
+    out.flags.writeable = False
+    return out
 
 
 _ARRAY_FIELDS = ("chunk_request", "chunk_index", "o_indptr", "request_chunks", "request_chunk_pages",
@@ -750,11 +761,14 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     chunk_request = np.repeat(np.arange(batch, dtype=np.int64), req_chunks)
     chunk_index = np.arange(n, dtype=np.int64) - o_indptr[chunk_request]
     # Longest chunks first (a chunk's length: its pages, the last one's rest).
-    length = np.minimum(chunk_pages[chunk_request], pages[chunk_request] - chunk_index * chunk_pages[chunk_request])
-    launch_order = np.argsort(-length, kind="stable")
+    chunk_size = chunk_pages[chunk_request]
+    launch_order = np.argsort(np.maximum(chunk_index * chunk_size - pages[chunk_request], -chunk_size),
+                              kind="stable")
     needs_merge = bool(int(req_chunks.max()) > 1)
     workspace = (n * hq * d + n * hq) * 4 if needs_merge else 0
     c = int(chunk_pages.max())
+    o_indptr, chunk_request, chunk_index, req_chunks, chunk_pages, launch_order = (
+        _frozen_int32(a) for a in (o_indptr, chunk_request, chunk_index, req_chunks, chunk_pages, launch_order))
 
     return DecodePlan(
         batch_size=batch,

@@ -33,6 +33,7 @@ Everything here is NumPy on the host.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -103,15 +104,21 @@ def candidate_caps(longest: int, min_pages: int) -> np.ndarray:
     >>> candidate_caps(4, 8).tolist()
     [4]
     """
-    longest = max(1, int(longest))
-    floor = min(max(1, int(min_pages)), longest)
+    return _candidate_caps(max(1, int(longest)), max(1, int(min_pages)))
+
+
+@functools.lru_cache(maxsize=256)
+def _candidate_caps(longest: int, min_pages: int) -> np.ndarray:
+    floor = min(min_pages, longest)
     counts = list(range(1, SPLITS + 1))
     n = float(SPLITS)
     while longest / n >= floor:
         n *= 2 ** 0.25
         counts.append(int(round(n)))
     caps = -(-longest // np.array(counts, dtype=np.int64))
-    return np.unique(np.clip(caps, floor, longest))[::-1]
+    caps = np.unique(np.clip(caps, floor, longest))[::-1].copy()
+    caps.flags.writeable = False  # cached: shared by every caller
+    return caps
 
 
 def predict_step_us(pages: np.ndarray, caps: np.ndarray, ctas_per_chunk: int, slots: int,
@@ -129,22 +136,26 @@ def predict_step_us(pages: np.ndarray, caps: np.ndarray, ctas_per_chunk: int, sl
     2
     """
     length, weight = _groups(pages)
-    caps = np.asarray(caps, dtype=np.float64).reshape(-1, 1)
-    chunks = np.ceil(length / caps)                                  # [K, G] (0 for an empty request)
-    unit_bytes = np.ceil(length / np.maximum(chunks, 1)) * float(page_bytes)
-    ctas = np.maximum(chunks, 1) * (weight * ctas_per_chunk)
-    n_prefix = np.cumsum(ctas, axis=1)
-    full_rate = _rate(costs, slots)
-    unit_full = costs.cta_us + unit_bytes / full_rate
-    work = np.cumsum(ctas * unit_full, axis=1) / slots
-    waves, rest = np.divmod(n_prefix, slots)
-    # the prefix's shortest CTAs in full waves, and a partial last wave that
-    # runs at the rate of its own CTA count
-    quant = waves * unit_full + (rest > 0) * (costs.cta_us + unit_bytes / _rate(costs, np.maximum(rest, 1)))
-    bound = np.maximum(work, quant).max(axis=1)
-    most = chunks[:, 0]
-    merge = np.where(most > 1, costs.merge_us + costs.merge_us_per_chunk * most, 0.0)
-    return bound + merge
+    length = length[:, None]                                         # [G, 1] against caps [K]
+    chunks = np.ceil(length / np.asarray(caps, dtype=np.float64))   # [G, K] (0 for an empty request)
+    per_request = np.maximum(chunks, 1.0)
+    unit_bytes = np.ceil(length / per_request)
+    unit_bytes *= float(page_bytes)                                  # bytes one CTA of the group reads
+    ctas = per_request * (weight * ctas_per_chunk)[:, None]
+    n_prefix = np.cumsum(ctas, axis=0)
+    unit_full = unit_bytes * (1.0 / _rate(costs, slots))
+    unit_full += costs.cta_us                                        # µs of a CTA on a full device
+    work = (ctas * unit_full).sum(axis=0) / slots
+    # every prefix of the CTAs (longest first): its shortest CTAs in full
+    # waves, and a partial last wave that runs at the rate of its own count
+    waves = np.floor(n_prefix * (1.0 / slots))
+    rest = n_prefix - waves * slots
+    partial = unit_bytes * np.maximum(1e-3 / costs.cta_gbps, rest * (1e-3 / costs.hbm_gbps))
+    partial += costs.cta_us
+    partial *= rest > 0
+    bound = np.maximum((waves * unit_full + partial).max(axis=0), work)
+    most = chunks[0]
+    return bound + (most > 1) * (costs.merge_us + costs.merge_us_per_chunk * most)
 
 
 #: Requests the model keeps one by one (the longest); the rest it pools into
@@ -166,10 +177,17 @@ def _groups(pages) -> tuple[np.ndarray, np.ndarray]:
     p = np.sort(np.asarray(pages, dtype=np.float64))[::-1]
     if p.size <= EXACT_REQUESTS + GROUPS:
         return p, np.ones_like(p)
-    cuts = np.unique(np.concatenate([np.arange(EXACT_REQUESTS),
-                                     np.linspace(EXACT_REQUESTS, p.size, GROUPS + 1)[:-1].astype(np.int64)]))
-    weight = np.diff(np.append(cuts, p.size)).astype(np.float64)
+    cuts, weight = _cuts(p.size)
     return np.add.reduceat(p, cuts) / weight, weight
+
+
+@functools.lru_cache(maxsize=64)
+def _cuts(batch: int) -> tuple[np.ndarray, np.ndarray]:
+    cuts = np.unique(np.concatenate([np.arange(EXACT_REQUESTS),
+                                     np.linspace(EXACT_REQUESTS, batch, GROUPS + 1)[:-1].astype(np.int64)]))
+    weight = np.diff(np.append(cuts, batch)).astype(np.float64)
+    cuts.flags.writeable = weight.flags.writeable = False
+    return cuts, weight
 
 
 def _rate(costs: StepCosts, concurrent):

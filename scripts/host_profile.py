@@ -3,7 +3,9 @@
 given, no graph): the median of N calls with the same arrays, of N calls
 rotating through several layers' caches with a new q and out each (a serving
 step), and of the bare driver launch; then a cProfile of the first kind of
-call sorted by own time. Exit status: 0 ran, 3 no CUDA GPU.
+call sorted by own time. First, without a GPU too, the host cost of
+``plan_decode`` on ragged batches of 128 and 256 requests (``--plan-only``
+stops there). Exit status: 0 ran, 3 no CUDA GPU (after the plan timings).
 """
 
 from __future__ import annotations
@@ -22,13 +24,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common  # noqa: E402
 
 
+#: Ragged batches whose plan_decode host cost is timed (batch, lengths, seed).
+PLAN_BATCHES = ((128, "lognormal:1024:1.2", 1), (256, "lognormal:512:1.0", 3), (256, "zipf:1.5:256:32768", 8),
+                (256, "uniform:1:32768", 4))
+
+
+def plan_costs(calls: int = 300) -> None:
+    """Median host µs of ``plan_decode`` (the default plan: the step model
+    picks the split) on ragged batches, fp16, 32 q / 8 kv heads, D 128,
+    page 16, 132 SMs."""
+    import numpy as np
+
+    import cupaged
+
+    for batch, spec, seed in PLAN_BATCHES:
+        layout = _common.lengths_layout(_common.ragged_lengths(spec, batch, seed), 16, seed=seed)
+        table = _common.layout_table(layout)
+        for _ in range(20):
+            cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+            times.append((time.perf_counter() - t0) * 1e6)
+        print(f"host us per plan_decode, batch {batch} {spec}: median {statistics.median(times):.1f}, "
+              f"p10 {np.percentile(times, 10):.1f}, p90 {np.percentile(times, 90):.1f} ({calls} calls)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--layers", type=int, default=4, help="caches rotated through in the serving-step timing")
+    p.add_argument("--plan-only", action="store_true", help="time plan_decode on ragged batches only (no GPU)")
     args = p.parse_args(argv)
+    plan_costs()
+    if args.plan_only:
+        return 0
     _common.require_gpu()
     import cupy
     import numpy as np
