@@ -471,17 +471,19 @@ class PageTable:
         The four arrays are views of one device buffer filled by a single
         host-to-device copy. Call this before capturing a CUDA graph: the
         upload itself cannot be captured. Raises
-        :class:`~cupaged.errors.NoGPUError` when CuPy or a CUDA device is
-        missing.
+        :class:`~cupaged.errors.NoGPUError` ("no CUDA GPU: ...") when CuPy or
+        a CUDA device is missing.
         """
+        from ._device import no_gpu_message
+
         try:
             import cupy
-        except ImportError as e:  # pragma: no cover - cupy is a dependency
-            raise NoGPUError(f"cupy is not importable: {e}") from e
+        except ImportError:  # CuPy is an extra (cupaged[cuda13] / [cuda12])
+            raise NoGPUError(no_gpu_message("PageTable.device()")) from None
         try:
             dev = cupy.cuda.runtime.getDevice()
-        except cupy.cuda.runtime.CUDARuntimeError as e:
-            raise NoGPUError(f"no CUDA device: {e}") from e
+        except cupy.cuda.runtime.CUDARuntimeError:
+            raise NoGPUError(no_gpu_message("PageTable.device()")) from None
         cached = self._device
         if cached is not None and cached[0] == dev:
             return cached[1]
