@@ -58,8 +58,10 @@ def candidates(longest_pages: int, batch: int, ctas_per_chunk: int, default: int
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
-    p.add_argument("--cells", nargs="+", type=parse_cell, default=[parse_cell(c) for c in CELLS])
-    p.add_argument("--csv", default=None)
+    p.add_argument("--cells", nargs="+", type=parse_cell, default=[parse_cell(c) for c in CELLS],
+                   help="cells as BATCHxCTX[xPAGExHQxHKVxD] (default page 16, 32 q / 8 kv heads, head_dim 128); "
+                   "default: a dozen cells from 1x4096 to 4x131072")
+    p.add_argument("--csv", default=None, help="also write one row per (cell, chunk size) to this CSV file")
     return p.parse_args(argv)
 
 

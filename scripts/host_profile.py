@@ -24,9 +24,9 @@ import _common  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--ctx", type=int, default=4096)
-    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=8, help="requests in the batch (default 8)")
+    p.add_argument("--ctx", type=int, default=4096, help="tokens per request (default 4096)")
+    p.add_argument("--calls", type=int, default=2000, help="calls per timing and in the profile (default 2000)")
     p.add_argument("--layers", type=int, default=4, help="caches rotated through in the serving-step timing")
     args = p.parse_args(argv)
     _common.require_gpu()
