@@ -35,6 +35,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ._typing import IndexArray
 from .errors import NoGPUError, PageTableError
 
 __all__ = ["PageTable", "DeviceTable", "build_page_table", "MAX_PAGE_SIZE"]
@@ -262,10 +263,10 @@ class PageTable:
 
     def __init__(
         self,
-        indices: Any,
-        indptr: Any,
-        last_page_len: Any,
-        first_page_offset: Any = None,
+        indices: IndexArray,
+        indptr: IndexArray,
+        last_page_len: IndexArray,
+        first_page_offset: IndexArray | None = None,
         *,
         page_size: int,
         num_pages: int | None = None,
@@ -508,11 +509,11 @@ class PageTable:
     @classmethod
     def from_seq_lens(
         cls,
-        seq_lens: Any,
+        seq_lens: IndexArray,
         page_size: int,
-        first_page_offset: Any = None,
+        first_page_offset: IndexArray | None = None,
         *,
-        page_ids: Any = None,
+        page_ids: IndexArray | None = None,
     ) -> "PageTable":
         """Table for requests of the given visible lengths.
 

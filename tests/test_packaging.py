@@ -133,3 +133,40 @@ def test_cupy_is_an_extra_per_cuda_major():
     assert not any(d.startswith("cupy") for d in project["dependencies"])
     extras = project["optional-dependencies"]
     assert extras["cuda13"] == ["cupy-cuda13x>=14"] and extras["cuda12"] == ["cupy-cuda12x>=14"]
+
+
+ARRAY_ARGUMENTS = {
+    "merge_states": ("v", "lse", "o_indptr"),
+    "append_kv": ("k_new", "v_new", "k_cache", "v_cache", "append_indptr", "k_scale", "v_scale"),
+    "cascade_decode": ("q", "k_cache", "v_cache", "group_indptr", "k_scale", "v_scale", "out"),
+    "plan_cascade": ("group_indptr",),
+    "apply_page_copies": ("caches",),
+    "PageTable": ("indices", "indptr", "last_page_len", "first_page_offset"),
+    "PageTable.from_seq_lens": ("seq_lens", "first_page_offset", "page_ids"),
+    "fp8.to_e4m3": ("x", "scale"),
+    "fp8.from_e4m3": ("bits", "scale"),
+}
+
+
+@pytest.mark.parametrize("name", list(ARRAY_ARGUMENTS))
+def test_array_arguments_are_annotated_with_the_aliases(name):
+    import inspect
+    import typing
+
+    from cupaged import _typing
+
+    obj = cupaged
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    params = inspect.signature(obj).parameters
+    aliases = ("DeviceArray", "HostArray", "IndexArray", "Scale")
+    for arg in ARRAY_ARGUMENTS[name]:
+        assert any(a in str(params[arg].annotation) for a in aliases), (name, arg, params[arg].annotation)
+    typing.get_type_hints(obj.__init__ if inspect.isclass(obj) else obj)  # every annotation resolves
+    assert _typing.DeviceArray == typing.Union[_typing.CudaArrayInterface, _typing.DLPackArray]
+
+
+def test_type_aliases_live_in_one_module():
+    defined = [p.name for p in (ROOT / "cupaged").glob("*.py")
+               if "DeviceArray =" in p.read_text(encoding="utf-8")]
+    assert defined == ["_typing.py"]
