@@ -10,7 +10,8 @@ LSE values are in **log2 units** everywhere (natural log = lse * ln 2).
 """
 
 from . import fp8, reference
-from ._device import has_gpu
+from ._version import __version__
+from ._device import has_gpu, require_gpu
 from .cascade import CascadePlan, cascade_decode, plan_cascade
 from .decode import METHODS, Selection, decode, select_method
 from .errors import (
@@ -34,7 +35,6 @@ from .page_table import DeviceTable, PageTable, build_page_table
 from .plan import DecodePlan, plan_decode
 from .pool import BlockPool, PageCopy, SequenceState, apply_page_copies
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ArgumentTypeError",
@@ -70,5 +70,6 @@ __all__ = [
     "plan_cascade",
     "plan_decode",
     "reference",
+    "require_gpu",
     "select_method",
 ]

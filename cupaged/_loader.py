@@ -17,7 +17,27 @@ from pathlib import Path
 
 from . import _configs
 
-SRC_DIR = Path(os.environ.get("CUPAGED_CUDA_SRC", Path(__file__).resolve().parent.parent / "cuda_src"))
+
+def find_src_dir() -> Path:
+    """The folder of the CUDA sources: env ``CUPAGED_CUDA_SRC`` if set, else
+    ``cupaged/cuda_src/`` of an installed wheel (the repository's top-level
+    ``cuda_src/``, shipped as package data), else ``cuda_src/`` beside the
+    package (a source checkout or an editable install). Never raises: when
+    neither holds the sources it returns the wheel's place, and
+    :func:`module_source` says what is missing."""
+    env = os.environ.get("CUPAGED_CUDA_SRC")
+    if env:
+        return Path(env)
+    places = _src_places()
+    return next((p for p in places if (p / _configs.SOURCES["partial"]).is_file()), places[0])
+
+
+def _src_places() -> tuple[Path, Path]:
+    here = Path(__file__).resolve().parent
+    return here / "cuda_src", here.parent / "cuda_src"
+
+
+SRC_DIR = find_src_dir()
 OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())
 
 
@@ -31,7 +51,13 @@ def source_hash() -> str:
 
 
 def module_source(family: str) -> str:
-    code = (SRC_DIR / _configs.SOURCES[family]).read_text()
+    path = SRC_DIR / _configs.SOURCES[family]
+    if not path.is_file():
+        where = ("env CUPAGED_CUDA_SRC" if os.environ.get("CUPAGED_CUDA_SRC")
+                 else "looked in " + " and ".join(map(str, _src_places())))
+        raise FileNotFoundError(f"cupaged's CUDA source {path.name} is missing from {SRC_DIR} ({where}); "
+                                "reinstall cupaged, or set CUPAGED_CUDA_SRC to a cuda_src/ folder")
+    code = path.read_text()
     return f"// cupaged cuda_src hash {source_hash()}\n{code}"
 
 

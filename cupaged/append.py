@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _configs, _loader
+from ._typing import DeviceArray, IndexArray, Scale
 from ._device import require_gpu
 from .decode import KV_LAYOUTS, _as_cupy
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
@@ -48,8 +49,9 @@ class _Launch(NamedTuple):
     append_indptr: object  # None, a validated NumPy array, or a device array
 
 
-def append_kv(k_new, v_new, k_cache, v_cache, table: PageTable, *, append_indptr=None, kv_layout: str = "NHD",
-              k_scale=None, v_scale=None) -> None:
+def append_kv(k_new: DeviceArray, v_new: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray,
+              table: PageTable, *, append_indptr: IndexArray | None = None, kv_layout: str = "NHD",
+              k_scale: Scale = None, v_scale: Scale = None) -> None:
     """Writes the new tokens' K and V of every request into their pages, in one launch.
 
     Call it after the pool has grown the sequences (``pool.append`` for each,

@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from . import _configs
+from ._typing import DeviceArray, HostArray, IndexArray, Scale
 from .errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
 from .decode import KV_LAYOUTS, _check_out, _dtype_variant
@@ -321,7 +322,7 @@ class CascadePlan:
         )
 
 
-def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr: Any, num_qo_heads: int,
+def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr: HostArray, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: Any, *, kv_dtype: Any = None) -> CascadePlan:
     """Plan a cascade decode on the host (NumPy; no GPU needed).
 
@@ -483,10 +484,11 @@ def _uint_view(a):
 
 
 # -------------------------------------------------------------------------------- entry
-def cascade_decode(q, k_cache, v_cache, shared_table: PageTable, unique_table: PageTable, group_indptr: Any,
+def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, shared_table: PageTable,
+                   unique_table: PageTable, group_indptr: IndexArray,
                    plan: CascadePlan | None = None, *, sm_scale: float | None = None,
-                   logits_soft_cap: float | None = None, k_scale=None, v_scale=None, kv_layout: str = "NHD",
-                   out=None, return_lse: bool = False):
+                   logits_soft_cap: float | None = None, k_scale: Scale = None, v_scale: Scale = None,
+                   kv_layout: str = "NHD", out: DeviceArray | None = None, return_lse: bool = False):
     """Decode of requests that share prefixes: each group's prefix pages are
     read once for all its requests' query heads, each request's suffix by a
     plain decode, and the two levels merged.

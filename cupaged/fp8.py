@@ -30,6 +30,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._typing import DeviceArray, HostArray, Scale
 from .errors import DTypeError, InvalidArgumentError, ShapeError
 
 __all__ = ["E4M3_MAX", "from_e4m3", "to_e4m3"]
@@ -91,7 +92,7 @@ def _broadcast_scale(scale: Any, ndim: int, shape: tuple, head_axis: int | None,
     return s.reshape(view)
 
 
-def to_e4m3(x: Any, scale: Any = None, *, head_axis: int | None = None):
+def to_e4m3(x: HostArray | DeviceArray, scale: Scale | HostArray = None, *, head_axis: int | None = None):
     """Quantize ``x / scale`` to float8_e4m3fn bit patterns.
 
     Args:
@@ -143,7 +144,7 @@ def to_e4m3(x: Any, scale: Any = None, *, head_axis: int | None = None):
     return _like_input(bits, was_cupy)
 
 
-def from_e4m3(bits: Any, scale: Any = None, *, head_axis: int | None = None):
+def from_e4m3(bits: HostArray | DeviceArray, scale: Scale | HostArray = None, *, head_axis: int | None = None):
     """Dequantize float8_e4m3fn bit patterns: ``value(bits) * scale``.
 
     Args:

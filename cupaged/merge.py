@@ -7,13 +7,15 @@ import numpy as np
 from . import _configs
 from ._device import require_gpu
 from . import _loader
+from ._typing import DeviceArray, IndexArray
 from ._arrays import as_cupy as _as_cupy, is_device_array
 from .decode import _NULL, _THREADS, _elem_strides
 from .errors import (DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError, ShapeError,
                      UnsupportedConfigError)
 
 
-def merge_states(v, lse, o_indptr, *, out_dtype=np.float32, validate: bool = True):
+def merge_states(v: DeviceArray, lse: DeviceArray, o_indptr: IndexArray, *, out_dtype=np.float32,
+                 validate: bool = True):
     """Merges attention states that share their heads, in variable-length groups.
 
     Output row ``r`` merges partial rows ``o_indptr[r]:o_indptr[r+1]``:

@@ -35,6 +35,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
+from ._typing import IndexArray
 from .errors import NoGPUError, PageTableError
 
 __all__ = ["PageTable", "DeviceTable", "build_page_table", "MAX_PAGE_SIZE"]
@@ -262,10 +263,10 @@ class PageTable:
 
     def __init__(
         self,
-        indices: Any,
-        indptr: Any,
-        last_page_len: Any,
-        first_page_offset: Any = None,
+        indices: IndexArray,
+        indptr: IndexArray,
+        last_page_len: IndexArray,
+        first_page_offset: IndexArray | None = None,
         *,
         page_size: int,
         num_pages: int | None = None,
@@ -471,17 +472,19 @@ class PageTable:
         The four arrays are views of one device buffer filled by a single
         host-to-device copy. Call this before capturing a CUDA graph: the
         upload itself cannot be captured. Raises
-        :class:`~cupaged.errors.NoGPUError` when CuPy or a CUDA device is
-        missing.
+        :class:`~cupaged.errors.NoGPUError` ("no CUDA GPU: ...") when CuPy or
+        a CUDA device is missing.
         """
+        from ._device import no_gpu_message
+
         try:
             import cupy
-        except ImportError as e:  # pragma: no cover - cupy is a dependency
-            raise NoGPUError(f"cupy is not importable: {e}") from e
+        except ImportError:  # CuPy is an extra (cupaged[cuda13] / [cuda12])
+            raise NoGPUError(no_gpu_message("PageTable.device()")) from None
         try:
             dev = cupy.cuda.runtime.getDevice()
-        except cupy.cuda.runtime.CUDARuntimeError as e:
-            raise NoGPUError(f"no CUDA device: {e}") from e
+        except cupy.cuda.runtime.CUDARuntimeError:
+            raise NoGPUError(no_gpu_message("PageTable.device()")) from None
         cached = self._device
         if cached is not None and cached[0] == dev:
             return cached[1]
@@ -506,11 +509,11 @@ class PageTable:
     @classmethod
     def from_seq_lens(
         cls,
-        seq_lens: Any,
+        seq_lens: IndexArray,
         page_size: int,
-        first_page_offset: Any = None,
+        first_page_offset: IndexArray | None = None,
         *,
-        page_ids: Any = None,
+        page_ids: IndexArray | None = None,
     ) -> "PageTable":
         """Table for requests of the given visible lengths.
 

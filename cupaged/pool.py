@@ -27,10 +27,11 @@ from __future__ import annotations
 import heapq
 import operator
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from ._typing import DeviceArray
 from .errors import InvalidArgumentError, OutOfPagesError, UnknownSequenceError
 from .page_table import MAX_PAGE_SIZE, PageTable, _build_page_table
 
@@ -412,7 +413,8 @@ def _device_view(a: Any) -> Any:
     return as_cupy(a, "caches") if is_device_array(a) else a
 
 
-def apply_page_copies(caches: Any, copies: Iterable[PageCopy]) -> None:
+def apply_page_copies(caches: np.ndarray | DeviceArray | Sequence[np.ndarray | DeviceArray],
+                      copies: Iterable[PageCopy | tuple[int, int]]) -> None:
     """Apply copy-on-write instructions: ``cache[dst] = cache[src]`` for every
     :class:`PageCopy`, in order, in each cache.
 

@@ -15,6 +15,7 @@ pages_per_chunk. Exit status 3 without a GPU.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -74,12 +75,31 @@ def time_cell(batch: int, ctx: int, kv: str, rng) -> tuple[float, float, int]:
     return med, (max(times) - min(times)) / med, plan.pages_per_chunk
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="ab_sources.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Time cupaged's v2 decode on a few cells under CUDA-graph replay, for A/B runs
+of two kernel source trees: run it once as is and once with
+env CUPAGED_CUDA_SRC=<another cuda_src/ folder>, interleaved. Prints per cell
+(32 q / 8 kv heads, head_dim 128, page 16, shuffled pages, fp16 q) the median
+microseconds per call, TB/s of KV bytes, the spread and the chunk size.""",
+        epilog="""\
+examples:
+  python3 scripts/ab_sources.py fp16
+  CUPAGED_CUDA_SRC=/tmp/base/cuda_src python3 scripts/ab_sources.py fp16
+  AB_CELLS="128x32768 8x32768" python3 scripts/ab_sources.py fp8   # cells BATCHxCTX
+
+exit status: 0 ran, 2 bad arguments, 3 no CUDA GPU on this machine""",
+    )
+    p.add_argument("kv", nargs="?", default="fp16", choices=("fp16", "fp8"),
+                   help="KV cache dtype: fp16, or fp8 (e4m3) under an fp16 q (default fp16)")
+    return p.parse_args(argv)
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    kv = argv[0] if argv else "fp16"
-    if kv not in ("fp16", "fp8"):
-        print("usage: ab_sources.py [fp16|fp8]", file=sys.stderr)
-        return 2
+    kv = parse_args(argv).kv
     if not cupaged.has_gpu():
         print("no CUDA GPU available: this script needs an NVIDIA GPU; exiting with status 3", file=sys.stderr)
         return 3

@@ -22,15 +22,25 @@ COLUMNS = ("batch", "ctx", "page_size", "num_qo_heads", "num_kv_heads", "head_di
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
-    p.add_argument("--batch", nargs="+", default=["1", "4", "8", "32", "128"])
-    p.add_argument("--ctx", nargs="+", default=["1024", "4096", "16384", "32768"])
-    p.add_argument("--page-size", nargs="+", default=["16"])
-    p.add_argument("--num-qo-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="float16", choices=_common.DTYPE_NAMES)
-    p.add_argument("--csv", default=None)
+    p = argparse.ArgumentParser(
+        prog="autotune.py",
+        description="Time every candidate chunk size (pages_per_chunk) of cupaged's split-KV decode on a "
+        "sweep of cells under CUDA-graph replay, and print per cell the winner, the default heuristic's "
+        "choice and each candidate's time. Winners go to cupaged's autotune cache unless --no-store. "
+        "Lists accept spaces or commas.",
+        epilog=_common.EXIT_CODES_EPILOG,
+    )
+    p.add_argument("--batch", nargs="+", default=["1", "4", "8", "32", "128"],
+                   help="batch sizes (default 1 4 8 32 128; a cell of more than 4M tokens in all is skipped)")
+    p.add_argument("--ctx", nargs="+", default=["1024", "4096", "16384", "32768"],
+                   help="context lengths in tokens (default 1024 4096 16384 32768)")
+    p.add_argument("--page-size", nargs="+", default=["16"], help="page sizes in tokens (default 16)")
+    p.add_argument("--num-qo-heads", type=int, default=32, help="query heads (default 32)")
+    p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    p.add_argument("--dtype", default="float16", choices=_common.DTYPE_NAMES,
+                   help="q and KV dtype (default float16)")
+    p.add_argument("--csv", default=None, help="also write one row per cell to this CSV file")
     p.add_argument("--no-store", action="store_true", help="do not write the on-disk cache")
     return p.parse_args(argv)
 

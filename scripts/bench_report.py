@@ -570,7 +570,7 @@ def read_csv_rows(path: str | Path) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="bench_report.py",
-        description="Re-evaluate the issue #5 targets of a microbench CSV and write the markdown report.",
+        description="Re-evaluate the performance targets of a microbench.py --suite CSV and write the markdown report.",
     )
     p.add_argument("csv", help="microbench CSV (e.g. OUT/microbench-issue5.csv)")
     p.add_argument("--meta", help="run metadata JSON (default: next to the CSV, <stem>.meta.json)")

@@ -121,24 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="cascade_bench.py",
         description="Time cupaged.cascade_decode against plain cupaged.decode and FlashInfer's plain decode of "
-        "the concatenated tables, on requests sharing one prefix (issue #6 item 6).",
+        "the concatenated tables, on requests sharing one prefix.",
         epilog=_common.EXIT_CODES_EPILOG,
     )
     p.add_argument("--num-requests", type=int, default=d["num_requests"], help="requests sharing the prefix (64)")
     p.add_argument("--prefix-len", type=int, default=d["prefix_len"],
                    help="shared prefix tokens, a multiple of the page size (32768)")
     p.add_argument("--suffix-len", type=int, default=d["suffix_len"], help="unique tokens per request (256)")
-    p.add_argument("--num-qo-heads", type=int, default=d["num_qo_heads"])
-    p.add_argument("--num-kv-heads", type=int, default=d["num_kv_heads"])
-    p.add_argument("--head-dim", type=int, default=d["head_dim"])
-    p.add_argument("--page-size", type=int, default=d["page_size"])
-    p.add_argument("--dtype", default=d["dtype"], choices=("float16", "bfloat16"))
+    p.add_argument("--num-qo-heads", type=int, default=d["num_qo_heads"], help=f"query heads ({d['num_qo_heads']})")
+    p.add_argument("--num-kv-heads", type=int, default=d["num_kv_heads"], help=f"KV heads ({d['num_kv_heads']})")
+    p.add_argument("--head-dim", type=int, default=d["head_dim"], help=f"head dimension ({d['head_dim']})")
+    p.add_argument("--page-size", type=int, default=d["page_size"], help=f"tokens per page ({d['page_size']})")
+    p.add_argument("--dtype", default=d["dtype"], choices=("float16", "bfloat16"), help=f"q and KV dtype ({d['dtype']})")
     p.add_argument("--methods", nargs="+", default=None, help="default cascade,plain,flashinfer")
     p.add_argument("--reps", type=int, default=d["reps"], help="repetitions, methods interleaved (5)")
     p.add_argument("--iters", type=int, default=d["iters"], help="event-timed calls per repetition (30)")
     p.add_argument("--host-iters", type=int, default=d["host_iters"], help="host-timed calls per repetition (20)")
     p.add_argument("--graph-calls", type=int, default=d["graph_calls"], help="calls per captured graph (10)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random data (0)")
     p.add_argument("--commit", help="commit to print in the report (default: git rev-parse, else $CUPAGED_COMMIT)")
     p.add_argument("--out-dir", default="docs/benchmarks", help="folder of the CSV and report (docs/benchmarks)")
     p.add_argument("--stem", help="file name stem (default cascade-<gpu>-<UTC date>, e.g. cascade-h200-2026-11-29)")

@@ -21,8 +21,27 @@
 # machine without a GPU, which shows in the summary table).
 set -uo pipefail
 
+usage() {
+  cat <<'EOF'
+usage: scripts/gpu_check.sh OUTDIR
+
+Runs every GPU check of cupaged in one go and prints a summary last; each
+step runs even when an earlier one failed, with its log in OUTDIR:
+  1. the GPU tests (pytest -m gpu)
+  2. the correctness sweep (24 configurations), then with --force-merge,
+     --single-chunk and --features
+  3. a quick microbenchmark (with FlashInfer when it is installed; env
+     CUPAGED_NO_PEER=1 leaves it out)
+
+exit status: 0 when every step passed, 1 otherwise (on a machine without a
+GPU the scripts exit 3, which shows in the summary)
+EOF
+}
+case ${1:-} in
+  -h|--help) usage; exit 0 ;;
+esac
 if [ $# -ne 1 ]; then
-  echo "usage: $0 OUTDIR" >&2
+  usage >&2
   exit 2
 fi
 mkdir -p "$1"

@@ -5,6 +5,35 @@
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5 and .nbpeer for notebook; keep one call under 10 minutes)
 set -uo pipefail
+usage() {
+  cat <<'EOF'
+usage: scripts/gpu_run.sh OUT [STEP ...]
+
+Runs the named GPU steps, each under a time limit, and packs their logs and
+outputs into OUT/results.tgz (default steps: tests sanitize bench).
+
+steps:
+  tests       the GPU test suite (pytest -m gpu)
+  sanitize    compute-sanitizer memcheck, racecheck and initcheck of the core kernels
+  sanitize6   memcheck and racecheck of the fp8, head_dim 96, soft-cap and HND
+              instances, append_kv and cascade
+  host        host time of one decode call (host_profile.py)
+  tune        chunk-size autotune sweep (autotune.py)
+  bench       microbenchmark: gather, v1, v2 and FlashInfer if installed
+  issue5      the microbenchmark's fixed suite of cells and targets
+  full        correctness sweep --full and --force-merge
+  features    correctness sweep --features
+  cascade     cascade benchmark
+  fp8         fp16 vs fp8 KV microbenchmark
+  profile     Nsight Compute profile of the partial kernel
+  soak        serving-loop soak test on the GPU
+  notebook    execute examples/quickstart.ipynb (needs nbclient and ipykernel)
+EOF
+}
+case ${1:-} in
+  -h|--help) usage; exit 0 ;;
+  "") usage >&2; exit 2 ;;
+esac
 out=$1; shift
 steps=${*:-tests sanitize bench}
 work=$(mktemp -d)

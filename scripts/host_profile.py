@@ -53,9 +53,9 @@ def plan_costs(calls: int = 300) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--ctx", type=int, default=4096)
-    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=8, help="requests in the batch (default 8)")
+    p.add_argument("--ctx", type=int, default=4096, help="tokens per request (default 4096)")
+    p.add_argument("--calls", type=int, default=2000, help="calls per timing and in the profile (default 2000)")
     p.add_argument("--layers", type=int, default=4, help="caches rotated through in the serving-step timing")
     p.add_argument("--plan-only", action="store_true", help="time plan_decode on ragged batches only (no GPU)")
     args = p.parse_args(argv)

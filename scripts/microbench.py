@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="microbench.py",
         description="Time gather, v1, v2 (cupaged) and FlashInfer paged decode on the same cache buffers. "
         "Lists accept spaces or commas. All requests use first_page_offset=0 (FlashInfer has none). "
-        "--suite issue5 sweeps issue #5's cells and marks every target met or missed per cell; there the "
+        "--suite issue5 sweeps a fixed suite of cells and marks every target met or missed per cell; there the "
         "axis flags, --dtype and --methods filter the suite's cells and methods, and --iters/--host-iters "
         "and the head flags are not used (timing adapts to each cell). --lengths times batches of unequal "
         "request lengths (v2 against FlashInfer, per dtype) and marks its targets per cell.",
@@ -386,9 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", nargs="+", help="batch sizes (default 1 4 8 32)")
     p.add_argument("--ctx", nargs="+", help="context lengths (default 1024 4096 16384 32768)")
     p.add_argument("--page-size", nargs="+", help="page sizes (default 16)")
-    p.add_argument("--num-qo-heads", type=int, default=32)
-    p.add_argument("--num-kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--num-qo-heads", type=int, default=32, help="query heads (default 32)")
+    p.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
     p.add_argument(
         "--dtype", nargs="+", default=None, help="float16 (default), bfloat16 or float32; with --suite, a filter"
     )
@@ -404,14 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--page-order",
         default="random",
         choices=_common.PAGE_ORDERS,
-        help="physical page order (default random, as in SPEC's FlashInfer table)",
+        help="physical page order of each request's pages (default random)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tables and data (default 0)")
     p.add_argument("--quick", action="store_true", help="small sweep (batch 1 8 x ctx 1024 16384) and fewer iterations")
     p.add_argument(
         "--suite",
         choices=SUITES,
-        help="issue5: the cells and targets of issue #5 (CSV + report with every target marked per cell)",
+        help="issue5: a fixed suite of cells and performance targets (CSV + report with every target marked per cell)",
     )
     p.add_argument(
         "--groups",

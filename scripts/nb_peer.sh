@@ -23,14 +23,22 @@
 # zoneinfo). matplotlib, pillow and fonttools are re-zipped without their tests, sample
 # data, unused fonts, image codecs (PNG stays) and Cython speedups (pure twins stay).
 set -euo pipefail
-root=$(git rev-parse --show-toplevel)
-cd "$root"
 selftest=0
+usage="usage: scripts/nb_peer.sh [--selftest]
+
+Downloads, into .nbpeer/, the wheels a Python 3.12 machine without network
+access needs to execute examples/quickstart.ipynb headless (nbclient,
+ipykernel, matplotlib), and writes .nbpeer/activate.sh, which installs them
+there. --selftest also installs them in a fresh Python 3.12 environment and
+runs a small plotting notebook and the quickstart without its GPU cells."
 case ${1:-} in
+  -h|--help) echo "$usage"; exit 0 ;;
   --selftest) selftest=1 ;;
   "") ;;
-  *) echo "usage: scripts/nb_peer.sh [--selftest]" >&2; exit 2 ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac
+root=$(git rev-parse --show-toplevel)
+cd "$root"
 grep -qx '/.nbpeer/' .git/info/exclude 2>/dev/null || echo '/.nbpeer/' >> .git/info/exclude
 rm -rf .nbpeer
 mkdir -p .nbpeer/whl

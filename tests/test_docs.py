@@ -502,10 +502,17 @@ def _editable_target(words: list[str]) -> str:
 
 def test_readme_has_both_setup_commands():
     lines = _bash_lines(README.read_text(encoding="utf-8"))
-    demo = [ln for ln in lines if "pip install -e ." in ln and ln.endswith("python -m cupaged demo")]
+    demo = [ln for ln in lines if "pip install -e" in ln and ln.endswith("python -m cupaged demo")]
     tests = [ln for ln in lines if "pip install -e" in ln and ln.endswith("python -m pytest -q")]
-    assert len(demo) == 1, "README needs one command: pip install -e . ... python -m cupaged demo"
+    assert len(demo) == 1, "README needs one command: pip install -e ... python -m cupaged demo"
     assert len(tests) == 1, "README needs one command: pip install -e ... python -m pytest -q"
+    # both install CuPy through an extra that pyproject.toml declares (CuPy is no plain dependency)
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    for line in (demo[0], tests[0]):
+        target = _editable_target(shlex.split(line.split("&&")[2]))
+        wanted = set(re.findall(r"\[(.*)\]", target)[0].split(",")) if "[" in target else set()
+        assert "cuda13" in wanted and wanted <= set(extras), (line, sorted(extras))
 
 
 def test_ci_runs_readme_test_command():
