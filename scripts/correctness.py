@@ -130,6 +130,7 @@ CSV_COLUMNS = (
     "scale_mode",
     "sm_scale",
     "group",
+    "lengths",
 )
 
 
@@ -153,6 +154,7 @@ class Config:
     scale_mode: str = "none"
     sm_scale: float | None = None
     group: str = "base"
+    lengths: str = ""  # a ragged batch: "DISTRIBUTION:SEED" (scripts/_common.py); then ctx is unused
 
     @property
     def num_qo_heads(self) -> int:
@@ -174,7 +176,8 @@ class Config:
                 or self.scale_mode != "none" or self.sm_scale is not None)
 
     def label(self) -> str:
-        text = f"{self.dtype} D{self.head_dim} g{self.gqa} P{self.page_size} ctx{self.ctx} B{self.batch}"
+        ctx = f"lengths={self.lengths}" if self.lengths else f"ctx{self.ctx}"
+        text = f"{self.dtype} D{self.head_dim} g{self.gqa} P{self.page_size} {ctx} B{self.batch}"
         extra = []
         if self.kv_dtype_name != self.dtype:
             extra.append("kv=fp8" if self.is_fp8 else f"kv={self.kv_dtype_name}")
@@ -262,6 +265,25 @@ def _feature_configs() -> tuple[Config, ...]:
 FEATURE_CONFIGS = _feature_configs()
 
 
+def _ragged_configs() -> tuple[Config, ...]:
+    """The ragged family of the benchmarks (scripts/_common.py RAGGED_FAMILY)
+    with every length divided by 8 (the float64 reference stays quick), in
+    float16, bfloat16 and fp8 KV: the default plan's balanced, longest-first
+    chunks (and --force-merge's one-page chunks) on ragged tables."""
+    out = []
+    for i, (batch, spec, seed) in enumerate(_common.RAGGED_FAMILY):
+        name, args = _common.parse_lengths(spec)
+        scaled = ":".join([name] + [f"{max(1.0, a / 8):g}" if (name, k) not in (("zipf", 0), ("lognormal", 1)) else f"{a:g}"
+                                    for k, a in enumerate(args)])
+        dt, kv = (("float16", None), ("bfloat16", None), ("float16", FP8))[i % 3]
+        out.append(Config(head_dim=128, gqa=4, page_size=16, ctx=0, batch=batch, dtype=dt, num_kv_heads=8,
+                          kv_dtype=kv, group="ragged", lengths=f"{scaled}:{seed}"))
+    return tuple(out)
+
+
+RAGGED_CONFIGS = _ragged_configs()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="correctness.py",
@@ -280,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"only the {len(FEATURE_CONFIGS)} serving-feature configurations (fp8 KV, head_dim 96/256, GQA 3/5/6/7/16, "
         "page 1/256, soft cap, HND, sm_scale, k/v scales); the axis and feature flags filter them",
+    )
+    sweep.add_argument(
+        "--ragged",
+        action="store_true",
+        help=f"only the {len(RAGGED_CONFIGS)} ragged batches (the benchmark family at 1/8 of its lengths: one "
+        "long request among short ones, lognormal, uniform, bimodal and Zipf lengths; float16, bfloat16, fp8 KV)",
     )
     p.add_argument("--head-dim", nargs="+", help="override the head_dim axis (filter the feature list)")
     p.add_argument("--gqa", nargs="+", help="override the GQA group-size axis (num_qo_heads = gqa * num_kv_heads; filter the feature list)")
@@ -420,6 +448,8 @@ def feature_configs(args: argparse.Namespace) -> list[Config]:
 def configs(args: argparse.Namespace) -> list[Config]:
     """The configurations to run, in order: the product sweep (not with
     --features), then the feature list (with --full or --features)."""
+    if args.ragged:
+        return list(RAGGED_CONFIGS)
     out = [] if args.features else product_configs(args)
     if args.full or args.features:
         out += feature_configs(args)
@@ -578,10 +608,14 @@ def run_config(index: int, cfg: Config, args: argparse.Namespace) -> list[dict]:
         "single_chunk": args.single_chunk,
         "tol": tol,
     }
-    # page size 1 has no mid-page start
-    layout = _common.plan_layout(
-        cfg.batch, cfg.ctx, cfg.page_size, seed=seed, mid_page=cfg.page_size > 1, page_order="reverse"
-    )
+    if cfg.lengths:
+        spec, _, lseed = cfg.lengths.rpartition(":")
+        lens = _common.ragged_lengths(spec, cfg.batch, int(lseed))
+        layout = _common.lengths_layout(lens, cfg.page_size, seed=seed)
+    else:  # page size 1 has no mid-page start
+        layout = _common.plan_layout(
+            cfg.batch, cfg.ctx, cfg.page_size, seed=seed, mid_page=cfg.page_size > 1, page_order="reverse"
+        )
     if not cfg.has_features:
         batch = _common.make_device_batch(layout, cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, dtype, seed=seed)
         features = FeatureInputs({}, {}, None)

@@ -354,3 +354,41 @@ def test_cuda_graph_capture_and_replay():
             assert np.isfinite(got).all()
             ref_out, _ = reference.decode(q_host, host[1], host[2], table)
             assert rel_errors(got, ref_out)[0] < 2e-2, step
+
+
+# one long request among short ones, and a lognormal mix: the default plan
+# splits each request into equal chunks under a cap and runs them longest
+# first (work units in launch order); pages shuffled, half the requests
+# starting mid-page, NaN in every invisible slot
+RAGGED_BATCHES = {
+    "one_long": [8191] + [97, 1, 16, 17, 255] * 12,
+    "lognormal": np.maximum(1, np.round(300 * np.exp(np.random.default_rng(7).standard_normal(96)))).astype(int),
+    "two_long": [4099, 0, 3000, 33] + [64] * 40,
+}
+
+
+@pytest.mark.parametrize("name", list(RAGGED_BATCHES))
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+def test_ragged_default_plans_match_reference(name, dtype):
+    dev, table, host = batch(40, RAGGED_BATCHES[name], dtype=dtype)
+    ref_out, ref_lse = reference.decode(*host, table)
+    default = cupaged.plan_decode(table, 32, 8, 128, dtype)
+    if name == "one_long":  # the long request is split, the short ones are not
+        assert default.request_chunks[0] > 1 and (default.request_chunks[1:] == 1).all()
+    for plan in (default, cupaged.plan_decode(table, 32, 8, 128, dtype, max_pages_per_chunk=3),
+                 cupaged.plan_decode(table, 32, 8, 128, dtype, pages_per_chunk=1)):
+        out, lse = run("v2", *dev, table, plan)
+        check(out, lse, ref_out, ref_lse, dtype)
+
+
+def test_ragged_plan_reused_while_requests_grow():
+    # a held plan serves the next steps while no request needs another chunk:
+    # the last chunk of each request ends past its pages (the kernel clips it)
+    lens = [2000, 5, 650, 33]
+    dev, table, host = batch(41, lens, mid_page=False)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, max_pages_per_chunk=40)
+    grown_dev, grown, grown_host = batch(41, [n + 9 for n in lens], mid_page=False)
+    assert plan.matches(grown)
+    out, lse = run("v2", *grown_dev, grown, plan)
+    ref_out, ref_lse = reference.decode(*grown_host, grown)
+    check(out, lse, ref_out, ref_lse, np.float16)

@@ -1271,6 +1271,20 @@ def test_chunk_sweep_exit_codes():
     assert _run("scripts/chunk_sweep.py", "--cells", "4").returncode == 2
 
 
+def test_correctness_ragged_configs():
+    args = correctness.parse_args(["--ragged"])
+    cfgs = correctness.configs(args)
+    assert cfgs == list(correctness.RAGGED_CONFIGS) and len(cfgs) == len(_common.RAGGED_FAMILY)
+    assert {c.kv_dtype_name for c in cfgs} == {"float16", "bfloat16", "float8_e4m3fn"}
+    for cfg, (batch, spec, seed) in zip(cfgs, _common.RAGGED_FAMILY):
+        lspec, _, lseed = cfg.lengths.rpartition(":")
+        lens = _common.ragged_lengths(lspec, batch, int(lseed))
+        assert cfg.batch == batch and int(lseed) == seed and lens.max() <= _common.ragged_lengths(spec, batch, seed).max()
+        assert "lengths=" in cfg.label()
+    with pytest.raises(SystemExit):
+        correctness.parse_args(["--ragged", "--full"])
+
+
 def test_chunk_sweep_cells_and_knobs():
     chunk_sweep = importlib.import_module("chunk_sweep")
     assert chunk_sweep.parse_cell("4x32768") == (4, 32768, 16, 32, 8, 128)
