@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _configs
+from . import _configs, _env
 
-SRC_DIR = Path(os.environ.get("CUPAGED_CUDA_SRC", Path(__file__).resolve().parent.parent / "cuda_src"))
+SRC_DIR = _env.cuda_src(Path(__file__).resolve().parent.parent / "cuda_src")
 OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())
 
 

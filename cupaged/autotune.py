@@ -14,7 +14,6 @@ The cache is a JSON file, ``$CUPAGED_CACHE_DIR/autotune.json`` (default
 from __future__ import annotations
 
 import json
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,11 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from . import _configs
+from . import _configs, _env
 from .page_table import PageTable
 from .plan import DecodePlan, plan_decode
 
-ENV_CACHE_DIR = "CUPAGED_CACHE_DIR"
+ENV_CACHE_DIR = _env.CACHE_DIR
 
 
 def bucket(n: int) -> int:
@@ -79,7 +78,7 @@ def _kv_dtype(q, k_cache):
 
 
 def _cache_path() -> Path:
-    return Path(os.environ.get(ENV_CACHE_DIR, Path.home() / ".cache" / "cupaged")) / "autotune.json"
+    return _env.cache_dir() / "autotune.json"
 
 
 def _load_cache() -> dict:
