@@ -465,8 +465,9 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             decline a head_dim other than 64/96/128/256, a non-contiguous
             head_dim, or a pointer or stride not a multiple of 16 bytes; fp8
             runs on v2 at head_dim 64/96/128; v1 takes neither fp8 nor
-            per-head scales. Such calls run the gather path, silently
-            (:func:`select_method` says which path and why). Env
+            per-head scales. Such calls run the gather path and log a
+            WARNING on ``logging.getLogger("cupaged")`` once per method and
+            reason (:func:`select_method` says which path and why). Env
             ``CUPAGED_CORE=mma|simt`` pins v2's core.
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
         logits_soft_cap: None or 0 (off), or ``cap > 0``: logits become
