@@ -34,6 +34,7 @@ import pytest
 import cupaged
 import cupaged.autotune
 import cupaged.errors
+import cupaged.testing
 from cupaged import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,10 +174,10 @@ def raises_names(text: str) -> list[str]:
 # ------------------------------------------------------------------ public names
 def _autotune_public() -> list[str]:
     mod = cupaged.autotune
-    return sorted(
-        n for n, o in vars(mod).items()
-        if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o)) and o.__module__ == mod.__name__
-    )
+    own = {n for n, o in vars(mod).items()
+           if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o)) and o.__module__ == mod.__name__}
+    assert own <= set(mod.__all__), f"public but not in cupaged.autotune.__all__: {own - set(mod.__all__)}"
+    return sorted(mod.__all__)  # graph_time_us is cupaged.testing's, re-exported
 
 
 @pytest.mark.parametrize("name", cupaged.__all__)
@@ -187,7 +188,8 @@ def test_public_name_in_api_md(name):
 
 @pytest.mark.parametrize(
     "qualified",
-    [f"cupaged.reference.{n}" for n in reference.__all__] + [f"cupaged.autotune.{n}" for n in _autotune_public()],
+    [f"cupaged.reference.{n}" for n in reference.__all__] + [f"cupaged.autotune.{n}" for n in _autotune_public()]
+    + [f"cupaged.testing.{n}" for n in cupaged.testing.__all__],
 )
 def test_submodule_name_in_api_md(qualified):
     assert qualified in documented_names(), f"{qualified} is not in docs/api.md"
@@ -321,6 +323,8 @@ def _public_callables():
     out += [pytest.param(getattr(reference, n), id=f"reference.{n}") for n in reference.__all__
             if callable(getattr(reference, n))]
     out += [pytest.param(getattr(cupaged.autotune, n), id=f"autotune.{n}") for n in _autotune_public()]
+    out += [pytest.param(getattr(cupaged.testing, n), id=f"testing.{n}") for n in cupaged.testing.__all__
+            if callable(getattr(cupaged.testing, n))]
     return out
 
 
@@ -328,6 +332,7 @@ def test_public_callables_cover_submodules():
     ids = {p.id for p in _public_callables()}
     assert {f"autotune.{n}" for n in ("tune", "tuned_plan", "graph_time_us", "TuneResult")} <= ids
     assert {f"reference.{n}" for n in ("decode", "merge_states", "decode_split")} <= ids
+    assert {f"testing.{n}" for n in ("make_paged_batch", "graph_time_us", "GraphTimer", "benchmark_graph")} <= ids
 
 
 @pytest.mark.parametrize("obj", _public_callables())
