@@ -518,7 +518,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         ``validate``, a device table that breaks a rule), PlanMismatchError
         [ValueError] (a plan built for other heads, head_dim or dtype, or a
         stale one: ``plan.matches(table)`` is false), NoGPUError
-        [RuntimeError] (no CUDA device; checked before anything else).
+        [RuntimeError] (no CUDA device; checked right after ``method`` and env
+        ``CUPAGED_DECODE``, before the arrays).
 
     Example (needs a GPU)::
 
