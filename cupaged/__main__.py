@@ -14,14 +14,13 @@ kernel family failed to compile.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
-from pathlib import Path
+
 
 import numpy as np
 
-from . import reference
+from . import _env, reference
 from ._device import has_gpu, no_gpu_message
 from ._version import __version__
 from .plan import plan_decode
@@ -160,10 +159,9 @@ def _cache_lines() -> list[str]:
     try:
         import cupy.cuda.compiler as compiler
 
-        cupy_dir = getattr(compiler._kernel_cache_backend, "_cache_dir", None) or os.environ.get(
-            "CUPY_CACHE_DIR", str(Path.home() / ".cupy" / "kernel_cache"))
+        cupy_dir = getattr(compiler._kernel_cache_backend, "_cache_dir", None) or _env.cupy_cache_dir()
     except Exception:  # noqa: BLE001  no CuPy
-        cupy_dir = os.environ.get("CUPY_CACHE_DIR", str(Path.home() / ".cupy" / "kernel_cache"))
+        cupy_dir = _env.cupy_cache_dir()
     return [f"CUDA sources: {_loader.SRC_DIR}",
             f"CuPy kernel cache: {cupy_dir} (env CUPY_CACHE_DIR)",
             f"cupaged autotune cache: {autotune._cache_path()} (env {autotune.ENV_CACHE_DIR})"]

@@ -7,10 +7,10 @@ is supported) and is what the CI compile check walks.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import ml_dtypes
+
+from . import _env
 
 # numpy dtype name -> C++ storage type in cuda_src/common.cuh
 DTYPES: dict[str, str] = {
@@ -38,16 +38,16 @@ HEADS_PER_CTA: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 # holds a 2-stage ring of 4 warps at head_dim 128 (2 CTAs per SM, the
 # register limit). Env CUPAGED_MMA_SMEM_KB overrides it (tuning experiments;
 # read at import).
-ENV_MMA_SMEM_KB = "CUPAGED_MMA_SMEM_KB"
-MMA_SMEM_KB: int = int(os.environ.get(ENV_MMA_SMEM_KB, "72"))
+ENV_MMA_SMEM_KB = _env.MMA_SMEM_KB
+MMA_SMEM_KB: int = _env.mma_smem_kb()
 # Warps per MMA-core CTA and the CTAs per SM its register budget allows
 # (CUPAGED_MMA_WARPS / CUPAGED_MMA_MIN_BLOCKS in attend_mma.cuh; env overrides
 # for tuning experiments, read at import). Each warp runs its own serial
 # chain (copy, QK^T, softmax, PV), so warps per SM, not ring depth, set the
 # pace: on the H200 4 warps beat 2 by up to 1.5x at batch 1 and tie elsewhere
 # (2 vs 4 stages made no difference; scripts/autotune.py, 2026-11-29).
-MMA_WARPS: int = int(os.environ.get("CUPAGED_MMA_WARPS", "4"))
-MMA_MIN_BLOCKS: int = int(os.environ.get("CUPAGED_MMA_MIN_BLOCKS", "2"))
+MMA_WARPS: int = _env.mma_warps()  # 1..32; a bad value fails the import, naming the variable
+MMA_MIN_BLOCKS: int = _env.mma_min_blocks()
 
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
 # name -> (C++ enumerator, threads per CTA, dtypes, head dims it serves).

@@ -10,25 +10,25 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _configs
+from . import _configs, _env
 
 
 def find_src_dir() -> Path:
     """The folder of the CUDA sources: env ``CUPAGED_CUDA_SRC`` if set, else
     ``cupaged/cuda_src/`` of an installed wheel (the repository's top-level
     ``cuda_src/``, shipped as package data), else ``cuda_src/`` beside the
-    package (a source checkout or an editable install). Never raises: when
+    package (a source checkout or an editable install). Raises only for a
+    bad ``CUPAGED_CUDA_SRC`` (not a directory); otherwise when
     neither holds the sources it returns the wheel's place, and
     :func:`module_source` says what is missing."""
-    env = os.environ.get("CUPAGED_CUDA_SRC")
-    if env:
-        return Path(env)
     places = _src_places()
+    env = _env.cuda_src(places[0])
+    if env is not places[0]:
+        return env
     return next((p for p in places if (p / _configs.SOURCES["partial"]).is_file()), places[0])
 
 
@@ -53,8 +53,8 @@ def source_hash() -> str:
 def module_source(family: str) -> str:
     path = SRC_DIR / _configs.SOURCES[family]
     if not path.is_file():
-        where = ("env CUPAGED_CUDA_SRC" if os.environ.get("CUPAGED_CUDA_SRC")
-                 else "looked in " + " and ".join(map(str, _src_places())))
+        where = ("looked in " + " and ".join(map(str, _src_places())) if SRC_DIR in _src_places()
+                 else "env CUPAGED_CUDA_SRC")
         raise FileNotFoundError(f"cupaged's CUDA source {path.name} is missing from {SRC_DIR} ({where}); "
                                 "reinstall cupaged, or set CUPAGED_CUDA_SRC to a cuda_src/ folder")
     code = path.read_text()

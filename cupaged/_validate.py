@@ -23,7 +23,43 @@ import numpy as np
 from .errors import LayoutError, PageTableError
 from .page_table import DeviceTable, PageTable
 
-__all__ = ["check_device_table", "check_out_overlap"]
+__all__ = ["check_device_table", "check_out_overlap", "plan_mismatch_reason"]
+
+
+def plan_mismatch_reason(plan, table, limit: int = 3) -> str:
+    """What makes ``plan`` unfit for ``table`` (``plan.matches(table)`` is
+    false), for the message of a :class:`~cupaged.errors.PlanMismatchError`:
+    the batch size or page size that changed, else each request (up to
+    ``limit``) whose chunk count at ``plan.pages_per_chunk`` changed, with its
+    page counts. Reads only public attributes (``batch_size``, ``page_size``,
+    ``pages_per_chunk``, ``request_chunks``; ``table.request_pages``).
+
+    >>> import numpy as np, cupaged
+    >>> plan = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([700, 33], 16), 32, 8, 128,
+    ...                            np.float16, pages_per_chunk=4)
+    >>> plan_mismatch_reason(plan, cupaged.PageTable.from_seq_lens([705, 33], 16))
+    'request 0: chunk count 11 -> 12 (45 pages at pages_per_chunk=4)'
+    >>> plan_mismatch_reason(plan, cupaged.PageTable.from_seq_lens([700, 33, 1], 16))
+    'batch size 2 -> 3'
+    >>> plan_mismatch_reason(plan, cupaged.PageTable.from_seq_lens([700, 33], 32))
+    'page size 16 -> 32'
+    """
+    batch, page_size = int(table.batch_size), int(table.page_size)
+    if batch != plan.batch_size:
+        return f"batch size {plan.batch_size} -> {batch}"
+    if page_size != plan.page_size:
+        return f"page size {plan.page_size} -> {page_size}"
+    c = int(plan.pages_per_chunk)
+    pages = np.asarray(table.request_pages, dtype=np.int64)
+    chunks = np.maximum(1, -(-pages // c))
+    old = np.asarray(plan.request_chunks, dtype=np.int64)
+    changed = np.flatnonzero(chunks != old)
+    if changed.size == 0:
+        return "the plan does not match the table"  # (matches() said so; nothing found here)
+    parts = [f"request {i}: chunk count {old[i]} -> {chunks[i]} ({pages[i]} pages at pages_per_chunk={c})"
+             for i in changed[:limit].tolist()]
+    more = f"; and {changed.size - limit} more request(s)" if changed.size > limit else ""
+    return "; ".join(parts) + more
 
 
 def _owner(indptr: np.ndarray, k: int) -> int:

@@ -14,19 +14,20 @@ The cache is a JSON file, ``$CUPAGED_CACHE_DIR/autotune.json`` (default
 from __future__ import annotations
 
 import json
-import os
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from . import _configs
+from . import _configs, _env
 from .page_table import PageTable
 from .plan import DecodePlan, plan_decode
+from .testing import graph_time_us  # re-exported: the timer lives in cupaged.testing
 
-ENV_CACHE_DIR = "CUPAGED_CACHE_DIR"
+__all__ = ["bucket", "candidates", "cache_key", "graph_time_us", "TuneResult", "tune", "tuned_plan"]
+
+ENV_CACHE_DIR = _env.CACHE_DIR
 
 
 def bucket(n: int) -> int:
@@ -79,7 +80,7 @@ def _kv_dtype(q, k_cache):
 
 
 def _cache_path() -> Path:
-    return Path(os.environ.get(ENV_CACHE_DIR, Path.home() / ".cache" / "cupaged")) / "autotune.json"
+    return _env.cache_dir() / "autotune.json"
 
 
 def _load_cache() -> dict:
@@ -97,60 +98,6 @@ def _store(key: str, value: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     tmp.replace(path)  # atomic: concurrent tuners never see half a file
-
-
-def graph_time_us(fn, launches: int = 20, reps: int = 5) -> float:
-    """Median GPU time of one ``fn()`` call under CUDA-graph replay, in µs.
-
-    On a fresh non-blocking stream (current while ``fn`` runs): one warm-up
-    call outside capture (compiles kernels, uploads tables and workspaces),
-    then ``launches`` calls captured into one CUDA graph; the graph is
-    replayed once untimed and then ``reps`` times between CUDA events. The
-    result is the median over the replays of (elapsed time / ``launches``).
-
-    Args:
-        fn: a callable of no arguments that enqueues GPU work on the current
-            stream and is capturable: no synchronization or host transfers,
-            and preallocated outputs (pass ``out=`` to ``decode``).
-        launches: calls captured per graph (default 20).
-        reps: timed replays (default 5).
-
-    Returns:
-        ``float``, microseconds per ``fn()`` call.
-
-    Raises:
-        Without a GPU, CuPy's ``cupy.cuda.runtime.CUDARuntimeError`` (e.g.
-        ``cudaErrorNoDevice`` or ``cudaErrorInsufficientDriver``) from its
-        first CUDA call: there is no check of its own, and no
-        ``NoGPUError``. Whatever ``fn`` raises, and CuPy's errors for work
-        that cannot be captured.
-
-    Example (needs a GPU)::
-
-        plan = cupaged.plan_decode(table, 32, 8, 128, "float16")
-        out = cupy.empty_like(q)
-        us = autotune.graph_time_us(lambda: cupaged.decode(q, k_cache, v_cache, table, plan, out=out))
-    """
-    import cupy
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        fn()  # warm-up outside capture: compiles, uploads tables and workspaces
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(launches):
-            fn()
-        graph = stream.end_capture()
-        graph.launch(stream)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(reps):
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / launches)
-    return statistics.median(times)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -23,7 +22,10 @@ import numpy as np
 
 from . import _configs, _loader
 from ._arrays import as_cupy as _as_cupy
+from . import _env
 from ._device import require_gpu
+from ._log import log_fallback
+from ._validate import plan_mismatch_reason
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
 from .page_table import PageTable
@@ -240,8 +242,7 @@ def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str)
         )
     if not plan.matches(table):
         raise PlanMismatchError(
-            "stale plan: the table's batch, page size or some request's chunk count changed; "
-            "build a new one with plan_decode(table, ...)"
+            f"stale plan: {plan_mismatch_reason(plan, table)}; build a new one with plan_decode(table, ...)"
         )
 
 
@@ -254,7 +255,7 @@ def _plan_variant(plan: DecodePlan) -> str:
 
 def _check_core(dtype_name: str, head_dim: int) -> None:
     """Env CUPAGED_CORE, read where a plan's launch state is first built."""
-    requested = os.environ.get(ENV_CORE) or None
+    requested = _env.core()
     if requested is None:
         return
     try:
@@ -345,10 +346,7 @@ def _nhd_views(k_cache, v_cache, kv_layout: str):
 
 # ------------------------------------------------------------------------- selection
 def default_method() -> str:
-    method = os.environ.get(ENV_METHOD, "auto")
-    if method not in METHODS:
-        raise UnsupportedConfigError(f"environment variable {ENV_METHOD}={method!r} must be one of {METHODS}")
-    return method
+    return _env.decode_method()  # CUPAGED_DECODE, validated
 
 
 def auto_method(table: PageTable) -> Selection:
@@ -411,18 +409,23 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
     return _select(q, k_cache, v_cache, table, method, variant, per_head_scales)
 
 
-def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "",
-            per_head_scales: bool = False) -> Selection:
+def _select_method_name(method: str) -> str:
+    """``method`` checked, with ``"auto"`` replaced by env CUPAGED_DECODE's value."""
     if method not in METHODS:
         raise UnsupportedConfigError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "auto":
-        method = default_method()
+    return default_method() if method == "auto" else method
+
+
+def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "",
+            per_head_scales: bool = False) -> Selection:
+    method = _select_method_name(method)
     if method == "gather":
         return Selection("gather", "requested")
     decline = _kernel_decline_reason(q, k_cache, v_cache, method, variant)
     if decline is None and method == "v1" and per_head_scales:
         decline = "v1 takes per-tensor k_scale/v_scale only"
     if decline is not None:
+        log_fallback(method, decline)  # a WARNING, once per (method, reason)
         return Selection("gather", f"fallback from {method}: {decline}")
     if method == "auto":
         return auto_method(table)
@@ -462,8 +465,9 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             decline a head_dim other than 64/96/128/256, a non-contiguous
             head_dim, or a pointer or stride not a multiple of 16 bytes; fp8
             runs on v2 at head_dim 64/96/128; v1 takes neither fp8 nor
-            per-head scales. Such calls run the gather path, silently
-            (:func:`select_method` says which path and why). Env
+            per-head scales. Such calls run the gather path and log a
+            WARNING on ``logging.getLogger("cupaged")`` once per method and
+            reason (:func:`select_method` says which path and why). Env
             ``CUPAGED_CORE=mma|simt`` pins v2's core.
         sm_scale: softmax scale, default ``1/sqrt(head_dim)``.
         logits_soft_cap: None or 0 (off), or ``cap > 0``: logits become
@@ -514,7 +518,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         ``validate``, a device table that breaks a rule), PlanMismatchError
         [ValueError] (a plan built for other heads, head_dim or dtype, or a
         stale one: ``plan.matches(table)`` is false), NoGPUError
-        [RuntimeError] (no CUDA device; checked before anything else).
+        [RuntimeError] (no CUDA device; checked right after ``method`` and env
+        ``CUPAGED_DECODE``, before the arrays).
 
     Example (needs a GPU)::
 
@@ -537,6 +542,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             res = hot.launch(buf, q, k_cache, v_cache, table, method, sm_scale, out, return_lse)
             if res is not None:
                 return res
+    if method not in METHODS or method == "auto":  # argument errors before the GPU check
+        _select_method_name(method)
     require_gpu("cupaged.decode")
     import cupy
 
@@ -672,7 +679,7 @@ class _PlanBuffers:
             self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
             self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
             self.counters = cupy.zeros(plan.batch_size * plan.heads_groups, dtype=cupy.int32)
-        self.core = _configs.choose_core(dtype, plan.head_dim, os.environ.get(ENV_CORE) or None)
+        self.core = _configs.choose_core(dtype, plan.head_dim, _env.core())
         self.scores = None  # the ScoreArgs whose values are in the slots
         index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, self.core)
         self.kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
@@ -746,18 +753,7 @@ def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
     return buf
 
 
-# os.environ.get costs ~0.7 us when the variable is unset (a KeyError raised
-# and caught inside os.environ), a tenth of the hot path: it compares the
-# variable's raw value in the mapping behind os.environ instead, which every
-# os.environ assignment updates (CPython; elsewhere, the public call).
-try:
-    _ENV_DATA, _ENV_METHOD_KEY = os.environ._data, os.environ.encodekey(ENV_METHOD)  # type: ignore[attr-defined]
-
-    def _env_method_raw():
-        return _ENV_DATA.get(_ENV_METHOD_KEY)
-except AttributeError:  # pragma: no cover (not CPython)
-    def _env_method_raw():
-        return os.environ.get(ENV_METHOD)
+_env_method_raw = _env.decode_method_raw  # one dict lookup (os.environ.get costs ~0.7 us unset)
 _NO_ENV = object()  # the record of a call whose method was not "auto"
 
 

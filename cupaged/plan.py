@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-import os
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with np.dtype)
 import numpy as np
 
-from . import _configs, schedule
+from . import _configs, _env, schedule
 from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
 
 __all__ = [
@@ -295,7 +294,7 @@ def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) 
     name = _configs.dtype_name(dtype)
     variant = name if kv_dtype == dtype else f"{name}+{_configs.FP8}"
     try:
-        core = _configs.choose_core(variant, head_dim, os.environ.get("CUPAGED_CORE") or None)
+        core = _configs.choose_core(variant, head_dim, _env.core())
     except ValueError:
         return CTAS_PER_SM
     if core == "mma":
@@ -338,20 +337,8 @@ def device_num_sms() -> int | None:
 
 
 def _env_positive_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
-    try:
-        value = int(raw.strip())
-    except ValueError:
-        raise InvalidArgumentError(
-            f"environment variable {name} must be a positive integer, "
-            f"got {raw!r}") from None
-    if value < 1:
-        raise InvalidArgumentError(
-            f"environment variable {name} must be a positive integer, "
-            f"got {raw!r}")
-    return value
+    # read and validated in cupaged/_env.py, with every other variable
+    return {ENV_NUM_SMS: _env.num_sms, ENV_TARGET_CTAS: _env.target_ctas}[name]()
 
 
 def resolve_num_sms(num_sms: int | None = None) -> int:
@@ -480,7 +467,7 @@ class DecodePlan:
     >>> plan.chunk_page_ranges(cupaged.PageTable.from_seq_lens([705, 33], 16))  # 45 pages: 12 chunks
     Traceback (most recent call last):
         ...
-    cupaged.errors.PlanMismatchError: plan does not match the page table (batch size, page size or a request's chunk count changed); build a new plan
+    cupaged.errors.PlanMismatchError: plan does not match the page table (request 0: chunk count 11 -> 12 (45 pages at pages_per_chunk=4)); build a new plan
     """
 
     batch_size: int
@@ -581,9 +568,10 @@ class DecodePlan:
 
     def _check_table(self, table: Any) -> None:
         if not self.matches(table):
-            raise PlanMismatchError(
-                "plan does not match the page table (batch size, page size or "
-                "a request's chunk count changed); build a new plan")
+            from ._validate import plan_mismatch_reason  # (imports page_table)
+
+            raise PlanMismatchError(f"plan does not match the page table "
+                                    f"({plan_mismatch_reason(self, table)}); build a new plan")
 
 
 def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,

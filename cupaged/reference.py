@@ -30,6 +30,12 @@ Conventions: query head ``h`` reads KV head ``h // g`` with
 ``g = num_qo_heads // num_kv_heads``; the softmax scale defaults to
 ``1 / sqrt(head_dim)``; a request with no visible token yields an output of
 zeros and an LSE of ``-inf``.
+
+**Errors** are those of the kernels' path: bad input raises a
+:class:`~cupaged.errors.CupagedError` subclass that is also the builtin a
+generic handler expects (``ShapeError``, ``DTypeError``, ``PageTableError``,
+``InvalidArgumentError``: ``ValueError``; ``ArgumentTypeError``:
+``TypeError``), naming the argument and the rule.
 """
 
 from __future__ import annotations
@@ -40,13 +46,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ._validate import plan_mismatch_reason
 from .errors import (
+    ArgumentTypeError,
     DTypeError,
     InvalidArgumentError,
     PageTableError,
     PlanMismatchError,
     ShapeError,
 )
+from .page_table import PageTable
 
 __all__ = [
     "LOG2E",
@@ -88,7 +97,7 @@ def _host(x: Any, name: str, fp8: bool = False) -> np.ndarray:
     if arr.dtype not in _FLOAT_DTYPES:
         extra = (", or fp8 e4m3 (uint8 bits or ml_dtypes.float8_e4m3fn)"
                  if fp8 else "")
-        raise ValueError(
+        raise DTypeError(
             f"{name} must be float16, float32, float64 or bfloat16{extra}, "
             f"got dtype {arr.dtype}")
     return arr
@@ -110,7 +119,7 @@ def _nhd(cache: np.ndarray, name: str, kv_layout: str) -> np.ndarray:
         dims = ("[num_pages, page_size, num_kv_heads, head_dim]"
                 if kv_layout == "NHD" else
                 "[num_pages, num_kv_heads, page_size, head_dim]")
-        raise ValueError(
+        raise ShapeError(
             f"{name} must be {dims} (kv_layout={kv_layout!r}), "
             f"got shape {cache.shape}")
     return cache if kv_layout == "NHD" else cache.transpose(0, 2, 1, 3)
@@ -169,13 +178,43 @@ def _f64(x: Any, name: str, fp8: bool = False) -> np.ndarray:
     return a.astype(np.float64)
 
 
+def _check_table(table: Any) -> None:
+    if not isinstance(table, PageTable):
+        raise ArgumentTypeError(
+            f"table must be a cupaged.PageTable, got {type(table).__name__}")
+
+
+def _check_sm_scale(sm_scale: Any, head_dim: int) -> float:
+    """The softmax scale: ``1/sqrt(head_dim)`` for None, else a finite real."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, (bool, np.bool_)) or not isinstance(
+            sm_scale, (int, float, np.integer, np.floating)):
+        raise ArgumentTypeError(
+            f"sm_scale must be a real number or None, got {sm_scale!r}")
+    if not math.isfinite(float(sm_scale)):
+        raise InvalidArgumentError(f"sm_scale must be finite, got {sm_scale!r}")
+    return float(sm_scale)
+
+
+def _check_heads(hq: int, hkv: int, d: int) -> None:
+    if not (hq and hkv and d):
+        raise ShapeError(
+            f"num_qo_heads ({hq}), num_kv_heads ({hkv}) and head_dim ({d}) "
+            f"must be >= 1")
+    if hq % hkv:
+        raise ShapeError(
+            f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
+
+
 def _check_cache(cache: np.ndarray, name: str, table: Any) -> None:
+    _check_table(table)
     if cache.ndim != 4:
-        raise ValueError(
+        raise ShapeError(
             f"{name} must be [num_pages, page_size, num_kv_heads, head_dim], "
             f"got shape {cache.shape}")
     if cache.shape[1] != int(table.page_size):
-        raise ValueError(
+        raise ShapeError(
             f"{name} page size {cache.shape[1]} != table.page_size "
             f"{int(table.page_size)}")
 
@@ -214,13 +253,15 @@ def gather_kv(cache: Any, table: Any, i: int, *, scale: Any = None,
     ``table`` a :class:`~cupaged.PageTable`; ``i`` the request index;
     ``scale`` (keyword-only) ``None``, a float or a ``[num_kv_heads]`` array.
 
-    Raises ``ValueError`` (an unsupported dtype, a cache that is not 4-D, or
-    whose page size differs from ``table.page_size``), ``IndexError`` (``i``
-    outside ``[0, B)``), :class:`~cupaged.errors.PageTableError` (one of
-    request ``i``'s page ids ``>= num_pages``),
-    :class:`~cupaged.errors.InvalidArgumentError` (an unknown ``kv_layout``,
-    a non-finite ``scale``), :class:`~cupaged.errors.ShapeError` (a ``scale``
-    that is neither a float nor ``[num_kv_heads]``).
+    Raises (each a :class:`~cupaged.errors.CupagedError`, as on the kernels'
+    path) ``ArgumentTypeError`` [TypeError] (``table`` not a
+    :class:`~cupaged.PageTable`, ``i`` not an int), ``DTypeError`` (an
+    unsupported dtype), ``ShapeError`` (a cache that is not 4-D, or whose
+    page size differs from ``table.page_size``; a ``scale`` neither a float
+    nor ``[num_kv_heads]``), ``InvalidArgumentError`` (``i`` outside ``[0,
+    B)``, an unknown ``kv_layout``, a non-finite ``scale``),
+    ``PageTableError`` (one of request ``i``'s page ids ``>= num_pages``);
+    all but the first are ``ValueError``.
 
     Example: one request of 5 tokens starting at entry 2 of page 0:
 
@@ -234,16 +275,18 @@ def gather_kv(cache: Any, table: Any, i: int, *, scale: Any = None,
     >>> reference.gather_kv(cache, table, 1)
     Traceback (most recent call last):
         ...
-    IndexError: request 1 out of range for batch size 1
+    cupaged.errors.InvalidArgumentError: request 1 out of range for batch size 1
     """
     layout = _check_layout(kv_layout)
     c = _nhd(_host(cache, "cache", fp8=True), "cache", layout)
     _check_cache(c, "cache", table)
     s = _check_scale(scale, "scale", c.shape[2])
+    if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+        raise ArgumentTypeError(f"i must be an int (a request index), got {i!r}")
     i = int(i)
     if not 0 <= i < int(table.batch_size):
-        raise IndexError(f"request {i} out of range for batch size "
-                         f"{int(table.batch_size)}")
+        raise InvalidArgumentError(f"request {i} out of range for batch size "
+                                   f"{int(table.batch_size)}")
     tokens = _f64(_gather(c, table, i), "cache", fp8=True)
     return tokens if s is None else tokens * s[None, :, None]
 
@@ -265,13 +308,14 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None, *,
     ``logits_soft_cap = c > 0`` the logits are ``c * tanh(sm_scale * q.k /
     c)``, and the LSE is ``log2(sum exp(logit))`` of the capped logits.
 
-    Raises ``ValueError``: an unsupported dtype, ``q_row`` not 2-D or ``k``,
-    ``v`` not 3-D, ``k`` and ``v`` of different shapes, head_dims that
-    differ, or ``Hq`` not a multiple of ``Hkv``;
-    :class:`~cupaged.errors.InvalidArgumentError` (a ``ValueError``): an
-    unknown ``kv_layout``, a negative or non-finite ``logits_soft_cap``, a
-    non-finite scale; :class:`~cupaged.errors.ShapeError`: a scale that is
-    neither a float nor ``[Hkv]``.
+    Raises (each a :class:`~cupaged.errors.CupagedError` and a
+    ``ValueError`` but the first): ``ArgumentTypeError`` [TypeError]
+    (``sm_scale`` not a real number); ``DTypeError`` (an unsupported dtype);
+    ``ShapeError`` (``q_row`` not 2-D or ``k``, ``v`` not 3-D, ``k`` and
+    ``v`` of different shapes, head_dims that differ, zero heads, ``Hq`` not
+    a multiple of ``Hkv``, a scale neither a float nor ``[Hkv]``);
+    ``InvalidArgumentError`` (an unknown ``kv_layout``, a negative or
+    non-finite ``logits_soft_cap``, a non-finite ``sm_scale`` or scale).
 
     Example:
 
@@ -289,7 +333,7 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None, *,
     >>> reference.attend(np.zeros((3, 64)), k, v)
     Traceback (most recent call last):
         ...
-    ValueError: num_qo_heads (3) must be divisible by num_kv_heads (2)
+    cupaged.errors.ShapeError: num_qo_heads (3) must be divisible by num_kv_heads (2)
 
     A soft cap of 5 bounds every logit to (-5, 5):
 
@@ -305,21 +349,19 @@ def attend(q_row: Any, k: Any, v: Any, sm_scale: float | None = None, *,
     vv = _f64(v, "v", fp8=True)
     if q.ndim != 2 or kk.ndim != 3 or vv.ndim != 3:
         dims = "[T, Hkv, D]" if layout == "NHD" else "[Hkv, T, D]"
-        raise ValueError(
+        raise ShapeError(
             f"attend expects q_row [Hq, D], k/v {dims}; got "
             f"{q.shape}, {kk.shape}, {vv.shape}")
     if layout == "HND":
         kk, vv = kk.transpose(1, 0, 2), vv.transpose(1, 0, 2)
     if kk.shape != vv.shape:
-        raise ValueError(f"k shape {kk.shape} != v shape {vv.shape}")
+        raise ShapeError(f"k shape {kk.shape} != v shape {vv.shape}")
     hq, d = q.shape
     t, hkv, dk = kk.shape
     if dk != d:
-        raise ValueError(f"head_dim of k ({dk}) != head_dim of q ({d})")
-    if hq % hkv:
-        raise ValueError(
-            f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+        raise ShapeError(f"head_dim of k ({dk}) != head_dim of q ({d})")
+    _check_heads(hq, hkv, d)
+    scale = _check_sm_scale(sm_scale, d)
     ks = _check_scale(k_scale, "k_scale", hkv)
     vs = _check_scale(v_scale, "v_scale", hkv)
     if t == 0:
@@ -353,20 +395,17 @@ def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray,
     _check_cache(k, "k_cache", table)
     _check_cache(v, "v_cache", table)
     if k.shape != v.shape:
-        raise ValueError(f"k_cache shape {k.shape} != v_cache shape {v.shape}")
+        raise ShapeError(f"k_cache shape {k.shape} != v_cache shape {v.shape}")
     if q.ndim != 3:
-        raise ValueError(
+        raise ShapeError(
             f"q must be [batch, num_qo_heads, head_dim], got shape {q.shape}")
     b, hq, d = q.shape
     if b != int(table.batch_size):
-        raise ValueError(
+        raise ShapeError(
             f"q batch {b} != table.batch_size {int(table.batch_size)}")
     if d != k.shape[3]:
-        raise ValueError(f"q head_dim {d} != cache head_dim {k.shape[3]}")
-    if hq % k.shape[2]:
-        raise ValueError(
-            f"num_qo_heads ({hq}) must be divisible by num_kv_heads "
-            f"({k.shape[2]})")
+        raise ShapeError(f"q head_dim {d} != cache head_dim {k.shape[3]}")
+    _check_heads(hq, k.shape[2], d)
     table.check_page_ids(k.shape[0])
 
 
@@ -390,14 +429,17 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
     ``logits_soft_cap`` (``None``/``0`` off, ``c > 0``: logit ``= c *
     tanh(sm_scale * q.k / c)``; the LSE is of the capped logits).
 
-    Raises ``ValueError`` (an unsupported dtype; caches not 4-D, of different
+    Raises the :class:`~cupaged.errors.CupagedError` subclasses of the
+    kernels' path (all ``ValueError`` but the first):
+    ``ArgumentTypeError`` [TypeError] (``table`` not a
+    :class:`~cupaged.PageTable`, ``sm_scale`` not a number), ``DTypeError``
+    (an unsupported dtype), ``ShapeError`` (caches not 4-D, of different
     shapes, or whose page size differs from the table's; ``q`` not 3-D or
-    whose batch or head_dim differs; ``Hq`` not a multiple of ``Hkv``),
-    :class:`~cupaged.errors.PageTableError` (a page id ``>= num_pages``),
-    :class:`~cupaged.errors.InvalidArgumentError` (an unknown ``kv_layout``,
-    a negative or non-finite ``logits_soft_cap``, a non-finite scale) and
-    :class:`~cupaged.errors.ShapeError` (a scale neither a float nor
-    ``[Hkv]``).
+    whose batch or head_dim differs; zero heads; ``Hq`` not a multiple of
+    ``Hkv``; a scale neither a float nor ``[Hkv]``), ``PageTableError`` (a
+    page id ``>= num_pages``), ``InvalidArgumentError`` (an unknown
+    ``kv_layout``, a negative or non-finite ``logits_soft_cap``, a
+    non-finite ``sm_scale`` or scale).
 
     Example:
 
@@ -437,6 +479,7 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
     qh, k, v, cap, ks, vs = _prepare(q, k_cache, v_cache, table, kv_layout,
                                      logits_soft_cap, k_scale, v_scale)
     b, hq, d = qh.shape
+    sm_scale = _check_sm_scale(sm_scale, d)
     out = np.zeros((b, hq, d))
     lse = np.full((b, hq), -np.inf)
     for i in range(b):
@@ -450,6 +493,7 @@ def _prepare(q: Any, k_cache: Any, v_cache: Any, table: Any, kv_layout: Any,
              logits_soft_cap: Any, k_scale: Any, v_scale: Any):
     """Checked host ``q``, the caches as NHD views, the cap (None = off) and
     the scales as float64 ``[Hkv]`` (None = 1)."""
+    _check_table(table)
     layout = _check_layout(kv_layout)
     cap = _check_cap(logits_soft_cap)
     qh = _host(q, "q")
@@ -478,10 +522,12 @@ def merge_states(v: Any, lse: Any, o_indptr: Any
     output with no finite partial is zeros and ``-inf`` — never NaN.  The
     result is associative under regrouping and stays in log2, so merges chain.
 
-    Raises ``ValueError``: ``v`` or ``lse`` of an unsupported dtype, ``v``
-    not 3-D or ``lse`` not ``[N, H]``; NaN or ``+inf`` in ``lse``;
-    ``o_indptr`` not a non-empty 1-D integer array, not starting at 0,
-    decreasing, or not ending exactly at ``N`` (stricter than
+    Raises (each a :class:`~cupaged.errors.CupagedError` and a
+    ``ValueError``): ``DTypeError`` (``v`` or ``lse`` of an unsupported
+    dtype, ``o_indptr`` not integer), ``ShapeError`` (``v`` not 3-D, ``lse``
+    not ``[N, H]``, ``o_indptr`` not a non-empty 1-D array),
+    ``InvalidArgumentError`` (NaN or ``+inf`` in ``lse``; ``o_indptr`` not
+    starting at 0, decreasing, or not ending exactly at ``N``: stricter than
     :func:`cupaged.merge_states`, which allows ending before ``N``).
 
     Example:
@@ -494,22 +540,28 @@ def merge_states(v: Any, lse: Any, o_indptr: Any
     >>> reference.merge_states(np.ones((3, 2, 4)), np.zeros((3, 2)), np.array([0, 2]))
     Traceback (most recent call last):
         ...
-    ValueError: o_indptr must start at 0, be non-decreasing and end at N = 3
+    cupaged.errors.InvalidArgumentError: o_indptr must start at 0, be non-decreasing and end at N = 3
     """
     vv = _f64(v, "v")
     ll = _f64(lse, "lse")
+    if not isinstance(o_indptr, np.ndarray) and hasattr(o_indptr, "get"):
+        o_indptr = o_indptr.get()
     ptr = np.asarray(o_indptr)
     if vv.ndim != 3 or ll.shape != vv.shape[:2]:
-        raise ValueError(
+        raise ShapeError(
             f"merge_states expects v [N, H, D] and lse [N, H], got "
             f"{vv.shape} and {ll.shape}")
     if np.isnan(ll).any() or np.isposinf(ll).any():
-        raise ValueError("lse must be finite or -inf (got NaN or +inf)")
-    if ptr.ndim != 1 or ptr.size < 1 or not np.issubdtype(ptr.dtype, np.integer):
-        raise ValueError("o_indptr must be a 1-D integer array [M+1]")
+        raise InvalidArgumentError("lse must be finite or -inf (got NaN or +inf)")
+    if ptr.ndim != 1 or ptr.size < 1:
+        raise ShapeError(
+            f"o_indptr must be a 1-D integer array [M+1], got shape {ptr.shape}")
+    if not np.issubdtype(ptr.dtype, np.integer):
+        raise DTypeError(
+            f"o_indptr must be a 1-D integer array [M+1], got dtype {ptr.dtype}")
     ptr = ptr.astype(np.int64)
     if ptr[0] != 0 or ptr[-1] != vv.shape[0] or (np.diff(ptr) < 0).any():
-        raise ValueError(
+        raise InvalidArgumentError(
             f"o_indptr must start at 0, be non-decreasing and end at N = "
             f"{vv.shape[0]}")
     m = ptr.size - 1
@@ -553,10 +605,11 @@ def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
     is not checked.
 
     Raises what :func:`decode` raises for the tensors and the keyword
-    arguments (``ValueError`` and its subclasses,
-    :class:`~cupaged.errors.PageTableError`), then
-    :class:`~cupaged.errors.PlanMismatchError` when ``plan.matches(table)``
-    is false or the plan is for other ``(Hq, Hkv, D)``.
+    arguments, then :class:`~cupaged.errors.ArgumentTypeError` (``plan`` not
+    a :class:`~cupaged.DecodePlan`) and
+    :class:`~cupaged.errors.PlanMismatchError` (a ``ValueError``, saying
+    what changed) when ``plan.matches(table)`` is false or the plan is for
+    other ``(Hq, Hkv, D)``.
 
     Example: one page per chunk gives 3 + 1 + 1 chunks (the empty request
     still gets one):
@@ -578,15 +631,20 @@ def decode_split(q: Any, k_cache: Any, v_cache: Any, table: Any, plan: Any,
     >>> reference.decode_split(q, k, v, other, plan)
     Traceback (most recent call last):
         ...
-    cupaged.errors.PlanMismatchError: plan does not match the page table (batch size, page size or a request's chunk count changed)
+    cupaged.errors.PlanMismatchError: plan does not match the page table (request 0: chunk count 3 -> 1 (1 pages at pages_per_chunk=1)); build a new plan
     """
     qh, k, v, cap, ks, vs = _prepare(q, k_cache, v_cache, table, kv_layout,
                                      logits_soft_cap, k_scale, v_scale)
     b, hq, d = qh.shape
+    from .plan import DecodePlan  # (plan imports nothing of reference; lazy all the same)
+
+    if not isinstance(plan, DecodePlan):
+        raise ArgumentTypeError(
+            f"plan must be a cupaged.DecodePlan, got {type(plan).__name__}")
     if not plan.matches(table):
         raise PlanMismatchError(
-            "plan does not match the page table (batch size, page size or a "
-            "request's chunk count changed)")
+            f"plan does not match the page table "
+            f"({plan_mismatch_reason(plan, table)}); build a new plan")
     if (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim) != (
             hq, k.shape[2], d):
         raise PlanMismatchError(

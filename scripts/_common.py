@@ -32,6 +32,12 @@ from typing import Any
 
 import numpy as np
 
+try:  # the shared batch, timing and byte helpers (no GPU at import)
+    from cupaged import testing as _testing
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from cupaged import testing as _testing
+
 #: Exit status of a script started on a machine without a CUDA GPU.
 EXIT_NO_GPU = 3
 NO_GPU_MESSAGE = (
@@ -42,15 +48,11 @@ EXIT_CODES_EPILOG = (
     "exit status: 0 = everything passed/ran, 1 = a check failed, 2 = bad arguments, 3 = no CUDA GPU on this machine"
 )
 
-#: H200 read roofline (bytes/s) used for every "% of roofline" column.
-ROOFLINE_BPS = 4.6e12
+#: H200 read roofline (bytes/s) used for every "% of roofline" column (cupaged.testing's).
+ROOFLINE_BPS = _testing.ROOFLINE_BPS
 
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
 PAGE_ORDERS = ("reverse", "random")
-
-# Random fill is generated in float32 chunks of this many elements, so a
-# multi-GiB cache never needs a float32 temporary of its full size.
-_FILL_CHUNK = 1 << 26
 
 
 # ---------------------------------------------------------------- dtypes, args
@@ -354,18 +356,8 @@ class DeviceBatch:
         return self.caches[0][1]
 
 
-def fill_random(shape: Sequence[int], dtype: np.dtype, rs) -> Any:
-    """cupy array of ``shape``/``dtype`` with standard normal values drawn in
-    float32 on the GPU (``rs``: ``cupy.random.RandomState``), chunked."""
-    import cupy
-
-    out = cupy.empty(tuple(shape), dtype=dtype)
-    flat = out.reshape(-1)
-    n = flat.size
-    for start in range(0, n, _FILL_CHUNK):
-        stop = min(n, start + _FILL_CHUNK)
-        flat[start:stop] = rs.standard_normal(stop - start, dtype=cupy.float32).astype(dtype)
-    return out
+# standard normal values drawn in float32 on the GPU, chunked (cupaged.testing)
+fill_random = _testing.fill_random
 
 
 def make_device_batch(
@@ -401,18 +393,16 @@ def nan_like(q) -> Any:
 
 
 def kv_bytes(layout: BatchLayout, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Every visible K and V element once."""
-    return 2 * layout.total_tokens * num_kv_heads * head_dim * itemsize
+    """Every visible K and V element once (:func:`cupaged.testing.kv_bytes`)."""
+    return _testing.kv_bytes(layout.total_tokens, num_kv_heads, head_dim, itemsize)
 
 
 def decode_bytes(layout: BatchLayout, num_qo_heads: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
     """Bytes one decode must move: visible K and V once, q read, out written,
     and the int32 page table (indices, indptr, last_page_len,
-    first_page_offset)."""
-    b = layout.batch_size
-    qo = 2 * b * num_qo_heads * head_dim * itemsize
-    table = 4 * (layout.total_pages + (b + 1) + b + b)
-    return kv_bytes(layout, num_kv_heads, head_dim, itemsize) + qo + table
+    first_page_offset) (:func:`cupaged.testing.decode_bytes`)."""
+    return _testing.decode_bytes(layout.total_tokens, layout.total_pages, layout.batch_size, num_qo_heads,
+                                 num_kv_heads, head_dim, itemsize)
 
 
 # ------------------------------------------------------------------ writers

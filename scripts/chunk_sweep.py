@@ -21,7 +21,8 @@ replays of 20 calls, in ``--rounds`` interleaved rounds):
 every even split of the longest request into 1-32 chunks, then steps of a
 quarter octave down to 4 pages; ``uniform``: every request in chunks
 of N pages (``pages_per_chunk=N``), N a power of two; ``default``: the plan
-``plan_decode`` picks. Each row carries the model's prediction.
+``plan_decode`` picks; ``request_order``: the default's chunks launched in
+request order instead of longest first. Each row carries the model's prediction.
 
 The summary gives, per cell, the default's time against the best knob
 (``regret`` = default / best - 1). Exit status: 0 ran, 2 bad arguments, 3 no
@@ -31,6 +32,7 @@ CUDA GPU (message on stderr).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -158,7 +160,10 @@ def main(argv=None) -> int:
         table = dev.table
         pages = np.asarray(layout.request_pages)
         default = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype)
-        plans = {("default", default.pages_per_chunk): default}
+        plans = {("default", default.pages_per_chunk): default,
+                 # the same chunks in request order instead of longest first (the LPT A/B)
+                 ("request_order", default.pages_per_chunk): dataclasses.replace(
+                     default, launch_order=np.arange(default.num_chunks))}
         chosen = list(knobs(int(pages.max())))
         if args.quick:
             chosen = chosen[::2]
@@ -184,7 +189,7 @@ def main(argv=None) -> int:
         min_pages = -(-128 // page)
         default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, slots, page_bytes, min_pages)
         for (knob, value), plan in plans.items():
-            if knob in ("cap", "default"):
+            if knob in ("cap", "default", "request_order"):
                 cap = value if knob == "cap" else default_cap
                 model = float(schedule.predict_step_us(pages, np.array([cap]), plan.heads_groups, slots,
                                                        page_bytes)[0])

@@ -64,7 +64,7 @@ for s in $steps; do case $s in
   cascade) run cascade_bench 200 "$peer python3 scripts/cascade_bench.py --out-dir $work/cascade" ;;
   fp8) run microbench_fp8 230 "$peer python3 scripts/microbench.py --kv-dtype fp8 --batch 1 8 32 128 --ctx 1024 32768 --out-dir $work/fp8" ;;
   soak) run soak 140 "python3 scripts/soak.py --backend gpu --json $work/soak.json" ;;
-  notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240" ;;
+  notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" ;;
   profile) run ncu 150 "ncu --clock-control none -k regex:paged_decode_partial --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats python3 scripts/microbench.py --batch 8 --ctx 32768 --methods v2 --reps 1 --iters 4 --host-iters 1 --out-dir $work/prof" ;;
 esac; done
 tar czf "$out/results.tgz" -C "$work" .

@@ -1,14 +1,73 @@
 """CI compile check: every declared kernel instance compiles for sm_90 with
-NVRTC (no GPU needed) and uses no local memory (no spills, no stack frame)."""
+NVRTC (no GPU needed) and uses no local memory (no spills, no stack frame).
+
+The check of every instance is marked ``compile``: it takes minutes of CPU,
+so the default test run (``python -m pytest -q``) deselects it (``addopts``
+in pyproject.toml) and ``.ci/run`` runs it as its own job,
+``python -m pytest -q -m compile``. The selected modules compile in parallel
+threads (NVRTC releases the GIL), and each module's ptxas report is cached in
+pytest's cache under a key of the cuda_src hash (headers included), the NVRTC
+version, the options (with the -D defines of CUPAGED_MMA_*), the arch and the
+instance names: a rerun with unchanged sources re-checks the cached reports
+without compiling (``--cache-clear`` or ``-p no:cacheprovider`` compiles).
+The other tests here are cheap and always run.
+"""
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 
 import pytest
 
 from cupaged import _configs, _loader
 
+ARCH = "sm_90"
+MODULES = _configs.all_modules()
 
-@pytest.mark.parametrize("family,dtype,head_dim", _configs.all_modules())
-def test_module_compiles_without_spills(family, dtype, head_dim):
-    report = _loader.compile_for_arch(family, dtype, head_dim, arch="sm_90")
+
+def _cache_key(module) -> str:
+    from cupy.cuda import nvrtc
+
+    text = json.dumps([_loader.source_hash(), list(nvrtc.getVersion()), list(_loader.OPTIONS), ARCH,
+                       list(module), _configs.name_expressions(*module)])
+    return "cupaged/compile-check/" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@pytest.fixture(scope="session")
+def compile_reports(request):
+    """module -> {instance name: KernelResources} for every module the session
+    selected, compiled in parallel threads, or read from pytest's cache."""
+    selected = [tuple(item.callspec.params[k] for k in ("family", "dtype", "head_dim"))
+                for item in request.session.items
+                if item.originalname == "test_module_compiles_without_spills" and hasattr(item, "callspec")]
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    reports, todo = {}, []
+    for module in selected:
+        hit = cache.get(_cache_key(module), None) if cache is not None else None
+        if hit is not None:
+            reports[module] = {name: _loader.KernelResources(**res) for name, res in hit.items()}
+        else:
+            todo.append(module)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
+        futures = {m: pool.submit(_loader.compile_for_arch, *m, arch=ARCH) for m in todo}
+    for module, future in futures.items():
+        if future.exception() is None:
+            reports[module] = future.result()
+            if cache is not None:
+                cache.set(_cache_key(module), {n: asdict(r) for n, r in reports[module].items()})
+        else:
+            reports[module] = future.exception()  # raised by the module's own test
+    return reports
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("family,dtype,head_dim", MODULES)
+def test_module_compiles_without_spills(family, dtype, head_dim, compile_reports):
+    report = compile_reports[(family, dtype, head_dim)]
+    if isinstance(report, Exception):
+        raise report
     assert set(report) == set(_configs.name_expressions(family, dtype, head_dim))
     for res in report.values():
         assert res.spill_stores == 0 and res.spill_loads == 0, res

@@ -34,6 +34,7 @@ import pytest
 import cupaged
 import cupaged.autotune
 import cupaged.errors
+import cupaged.testing
 from cupaged import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,10 +174,10 @@ def raises_names(text: str) -> list[str]:
 # ------------------------------------------------------------------ public names
 def _autotune_public() -> list[str]:
     mod = cupaged.autotune
-    return sorted(
-        n for n, o in vars(mod).items()
-        if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o)) and o.__module__ == mod.__name__
-    )
+    own = {n for n, o in vars(mod).items()
+           if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o)) and o.__module__ == mod.__name__}
+    assert own <= set(mod.__all__), f"public but not in cupaged.autotune.__all__: {own - set(mod.__all__)}"
+    return sorted(mod.__all__)  # graph_time_us is cupaged.testing's, re-exported
 
 
 @pytest.mark.parametrize("name", cupaged.__all__)
@@ -187,7 +188,8 @@ def test_public_name_in_api_md(name):
 
 @pytest.mark.parametrize(
     "qualified",
-    [f"cupaged.reference.{n}" for n in reference.__all__] + [f"cupaged.autotune.{n}" for n in _autotune_public()],
+    [f"cupaged.reference.{n}" for n in reference.__all__] + [f"cupaged.autotune.{n}" for n in _autotune_public()]
+    + [f"cupaged.testing.{n}" for n in cupaged.testing.__all__],
 )
 def test_submodule_name_in_api_md(qualified):
     assert qualified in documented_names(), f"{qualified} is not in docs/api.md"
@@ -321,6 +323,8 @@ def _public_callables():
     out += [pytest.param(getattr(reference, n), id=f"reference.{n}") for n in reference.__all__
             if callable(getattr(reference, n))]
     out += [pytest.param(getattr(cupaged.autotune, n), id=f"autotune.{n}") for n in _autotune_public()]
+    out += [pytest.param(getattr(cupaged.testing, n), id=f"testing.{n}") for n in cupaged.testing.__all__
+            if callable(getattr(cupaged.testing, n))]
     return out
 
 
@@ -328,6 +332,7 @@ def test_public_callables_cover_submodules():
     ids = {p.id for p in _public_callables()}
     assert {f"autotune.{n}" for n in ("tune", "tuned_plan", "graph_time_us", "TuneResult")} <= ids
     assert {f"reference.{n}" for n in ("decode", "merge_states", "decode_split")} <= ids
+    assert {f"testing.{n}" for n in ("make_paged_batch", "graph_time_us", "GraphTimer", "benchmark_graph")} <= ids
 
 
 @pytest.mark.parametrize("obj", _public_callables())
@@ -461,7 +466,7 @@ def test_docstring_raises_spot_checks(monkeypatch):
     for copies in ([(-1, 0)], [(0, 4)], [(1.0, 2)]):
         with pytest.raises(ValueError):
             cupaged.apply_page_copies(cache, copies)
-    with pytest.raises(IndexError):
+    with pytest.raises(cupaged.InvalidArgumentError):  # a ValueError, as on the kernels' path
         reference.gather_kv(np.zeros((8, 16, 2, 64)), table, 1)
     k = np.zeros((8, 16, 2, 64))
     with pytest.raises(cupaged.PageTableError):
@@ -518,11 +523,14 @@ def test_readme_has_both_setup_commands():
 def test_ci_runs_readme_test_command():
     ci = [ln.strip() for ln in CI_RUN.read_text(encoding="utf-8").splitlines()
           if ln.strip() and not ln.strip().startswith("#")]
-    pytest_lines = [ln for ln in ci if "pytest" in ln.split()]
-    assert len(pytest_lines) == 1, f".ci/run should call pytest exactly once, got {pytest_lines}"
-    readme = next(ln for ln in _bash_lines(README.read_text(encoding="utf-8")) if "pytest" in ln)
+    pytest_lines = [ln.split(" #")[0].strip() for ln in ci if "pytest" in ln.split()]
+    readme_text = README.read_text(encoding="utf-8")
+    readme = next(ln for ln in _bash_lines(readme_text) if "pytest" in ln)
     steps = [s.strip() for s in readme.split("&&")]
-    assert pytest_lines[0] == steps[-1], f".ci/run runs {pytest_lines[0]!r}, README {steps[-1]!r}"
+    assert pytest_lines and pytest_lines[0] == steps[-1], f".ci/run runs {pytest_lines[:1]!r}, README {steps[-1]!r}"
+    # then only the marked compile check, as README gives it (deselected from the main command)
+    assert pytest_lines[1:] == ["python -m pytest -q -m compile"], pytest_lines
+    assert f"`{pytest_lines[1]}`" in readme_text
     # and installs the same extras as README's command
     ci_pip = next(shlex.split(ln) for ln in ci if "pip" in ln and "-e" in shlex.split(ln))
     readme_pip = next(shlex.split(s) for s in steps if s.split()[:2] == ["pip", "install"])

@@ -650,3 +650,57 @@ def test_feature_argument_validation():
         decode(s.q, s.k_cache[0], s.v_cache[0], s.table, kv_layout="HND")
     # every new error is a ValueError
     assert issubclass(InvalidArgumentError, ValueError) and issubclass(ShapeError, ValueError)
+
+
+def test_errors_are_the_kernels_classes():
+    """Issue 16: every bad input raises the CupagedError subclass the kernels'
+    path raises (never a bare builtin ValueError, nor AttributeError for a
+    table that is not a PageTable)."""
+    import cupaged
+    from cupaged.errors import (ArgumentTypeError, CupagedError, DTypeError, InvalidArgumentError,
+                                PageTableError, PlanMismatchError, ShapeError)
+    from cupaged.reference import merge_states
+
+    rng = np.random.default_rng(16)
+    s = Scenario(rng, [10, 3], 4, hq=4, hkv=2, d=8)
+    q, k, v, t = s.q, s.k_cache, s.v_cache, s.table
+    plan = plan_decode(t, 4, 2, 8, np.float32, pages_per_chunk=1)
+    table_dict = {"indices": t.indices, "indptr": t.indptr, "last_page_len": t.last_page_len,
+                  "page_size": t.page_size}
+    cases = [
+        (ArgumentTypeError, "table must be a cupaged.PageTable", lambda: decode(q, k, v, table_dict)),
+        (ArgumentTypeError, "table must be a cupaged.PageTable", lambda: gather_kv(k, table_dict, 0)),
+        (ArgumentTypeError, "table must be a cupaged.PageTable", lambda: decode_split(q, k, v, table_dict, plan)),
+        (ArgumentTypeError, "plan must be a cupaged.DecodePlan", lambda: decode_split(q, k, v, t, "plan")),
+        (ArgumentTypeError, "sm_scale", lambda: decode(q, k, v, t, "0.1")),
+        (ArgumentTypeError, "i must be an int", lambda: gather_kv(k, t, 0.5)),
+        (InvalidArgumentError, "sm_scale must be finite", lambda: decode(q, k, v, t, float("nan"))),
+        (InvalidArgumentError, "request 2 out of range", lambda: gather_kv(k, t, 2)),
+        (DTypeError, "k_cache", lambda: decode(q, np.zeros(k.shape, np.int32), v, t)),
+        (DTypeError, "q_row", lambda: attend(np.zeros((4, 8), np.int8), k[0], v[0])),
+        (ShapeError, "batch", lambda: decode(np.zeros((3, 4, 8)), k, v, t)),
+        (ShapeError, "head_dim", lambda: decode(np.zeros((2, 4, 16)), k, v, t)),
+        (ShapeError, "divisible", lambda: decode(np.zeros((2, 3, 8)), k, v, t)),
+        (ShapeError, "page size", lambda: decode(q, k[:, :2], v[:, :2], t)),
+        (ShapeError, "k_cache shape", lambda: decode(q, k, v[:-1], t)),
+        (ShapeError, "q must be", lambda: decode(q[0], k, v, t)),
+        (ShapeError, "cache must be", lambda: gather_kv(k[0], t, 0)),
+        (ShapeError, "attend expects", lambda: attend(q, k, v)),
+        (ShapeError, ">= 1", lambda: attend(np.zeros((4, 8)), np.zeros((2, 0, 8)), np.zeros((2, 0, 8)))),
+        (PageTableError, "out of range", lambda: decode(q, k[:1], v[:1], t)),
+        (ShapeError, "merge_states expects", lambda: merge_states(np.ones((3, 2)), np.zeros((3, 2)), [0, 3])),
+        (InvalidArgumentError, "lse must be finite",
+         lambda: merge_states(np.ones((1, 1, 4)), np.full((1, 1), np.nan), [0, 1])),
+        (ShapeError, "o_indptr", lambda: merge_states(np.ones((1, 1, 4)), np.zeros((1, 1)), [[0, 1]])),
+        (DTypeError, "o_indptr", lambda: merge_states(np.ones((1, 1, 4)), np.zeros((1, 1)), [0.0, 1.0])),
+        (InvalidArgumentError, "o_indptr must start at 0",
+         lambda: merge_states(np.ones((1, 1, 4)), np.zeros((1, 1)), [0, 2])),
+        (PlanMismatchError, r"request 0: chunk count 3 -> 1",
+         lambda: decode_split(q, k, v, cupaged.PageTable.from_seq_lens([2, 3], 4), plan)),
+    ]
+    for cls, match, call in cases:
+        with pytest.raises(cls, match=match) as info:
+            call()
+        assert isinstance(info.value, CupagedError), (match, type(info.value))
+        # ... and still the builtin a generic handler expects
+        assert isinstance(info.value, TypeError if cls is ArgumentTypeError else ValueError), match

@@ -33,8 +33,10 @@ def run_soak(capsys, *argv):
 
 
 def test_cpu_soak_passes_and_exercises_every_operation(capsys):
+    # chunks of 4 pages: the default plan keeps these short requests whole,
+    # and the soak must check the split/merge path too
     code, s = run_soak(capsys, "--backend", "cpu", "--steps", "120", "--sequences", "64",
-                       "--checkpoint-every", "40")
+                       "--checkpoint-every", "40", "--pages-per-chunk", "4")
     assert code == 0, s["failure"]
     assert s["ok"] and s["failure"] is None
     assert s["steps"] == 120 and s["backend"] == "cpu"

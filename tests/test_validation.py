@@ -194,7 +194,7 @@ def test_env_method_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("core, dtype, fragment", [
-    ("tensor", "float16", "CUPAGED_CORE='tensor': unknown core"),
+    ("tensor", "float16", "environment variable CUPAGED_CORE='tensor' must be one of ('mma', 'simt')"),
     ("mma", "float32", "CUPAGED_CORE='mma': core 'mma' does not serve float32"),
 ])
 def test_env_core_cpu(monkeypatch, core, dtype, fragment):
@@ -257,6 +257,81 @@ def test_plan_checks_cpu():
     stale = cupaged.plan_decode(grown, 8, 2, 128, np.float16, pages_per_chunk=1)
     with pytest.raises(PlanMismatchError, match="stale plan"):
         _check_plan(stale, TABLE, q, k, "float16")
+
+
+def test_stale_plan_says_what_changed_cpu():
+    """Issue 16: a stale plan's PlanMismatchError names the property that
+    changed (batch size, page size, or which request's chunk count), from
+    decode's plan check and from the plan's own range methods."""
+    q, k, _ = fakes()
+    grown = cupaged.PageTable.from_seq_lens([40, 90, 40], 16)  # request 2: 2 -> 3 pages
+    stale = cupaged.plan_decode(grown, 8, 2, 128, np.float16, pages_per_chunk=1)
+    with pytest.raises(PlanMismatchError, match=_escape("request 2: chunk count 3 -> 2 (2 pages at pages_per_chunk=1)")):
+        _check_plan(stale, TABLE, q, k, "float16")
+    with pytest.raises(PlanMismatchError, match=_escape("request 2: chunk count 3 -> 2")):
+        stale.chunk_token_ranges(TABLE)
+    with pytest.raises(PlanMismatchError, match=_escape("request 2: chunk count 3 -> 2")):
+        stale.chunk_page_ranges(TABLE)
+    two = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([40, 90], 16), 8, 2, 128, np.float16)
+    with pytest.raises(PlanMismatchError, match=_escape("batch size 2 -> 3")):
+        _check_plan(two, TABLE, q, k, "float16")
+    p32 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([40, 90, 17], 32), 8, 2, 128, np.float16)
+    with pytest.raises(PlanMismatchError, match=_escape("page size 32 -> 16")):
+        p32.chunk_page_ranges(TABLE)
+    many = cupaged.PageTable.from_seq_lens([1] * 6, 16)
+    plan6 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([40] * 6, 16), 8, 2, 128, np.float16,
+                                pages_per_chunk=1)
+    assert _validate.plan_mismatch_reason(plan6, many).endswith("; and 3 more request(s)")
+
+
+def test_bad_method_is_reported_before_the_gpu_check(monkeypatch):
+    """Issue 16: decode(method="v3") and CUPAGED_DECODE=bogus name the bad
+    value on any machine; on a CPU they used to be reported as NoGPUError."""
+    monkeypatch.delenv("CUPAGED_DECODE", raising=False)
+    q, k, v = fakes()
+    with pytest.raises(UnsupportedConfigError, match=_escape("method must be one of ('auto', 'v2', 'v1', 'gather'), got 'v3'")):
+        cupaged.decode(q, k, v, TABLE, method="v3")
+    monkeypatch.setenv("CUPAGED_DECODE", "bogus")
+    with pytest.raises(UnsupportedConfigError, match=_escape("environment variable CUPAGED_DECODE='bogus' must be one of")):
+        cupaged.decode(q, k, v, TABLE)
+    with pytest.raises(UnsupportedConfigError, match="CUPAGED_DECODE"):
+        cupaged.decode(q, k, v, TABLE, method="auto")
+    monkeypatch.setenv("CUPAGED_DECODE", "gather")
+    if not cupaged.has_gpu():  # a valid method: the GPU check comes next
+        with pytest.raises(NoGPUError):
+            cupaged.decode(q, k, v, TABLE, method="v2")
+
+
+def test_fallback_is_logged_once_per_configuration_cpu(caplog, monkeypatch):
+    """Issue 16: a call the kernels decline (head_dim 80, a misaligned
+    pointer, v1 with per-head scales) logs a WARNING on the "cupaged" logger,
+    once per (method, reason); a requested gather path logs nothing."""
+    import logging
+
+    from cupaged import _log
+
+    pytest.importorskip("cupy")  # select_method's _as_cupy imports it (no device needed)
+    monkeypatch.setattr(sys.modules["cupaged.decode"], "_as_cupy", lambda x, name: x)
+    monkeypatch.delenv("CUPAGED_DECODE", raising=False)
+    _log.reset()
+    d80 = fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80))
+    with caplog.at_level(logging.INFO, logger="cupaged"):
+        for _ in range(3):
+            assert cupaged.select_method(*d80, TABLE, method="v2").method == "gather"
+        cupaged.select_method(*d80, TABLE)  # "auto": another configuration
+        misaligned = (FakeArray(Q_SHAPE, ptr=8), *fakes()[1:])
+        cupaged.select_method(*misaligned, TABLE, method="v2")
+        assert cupaged.select_method(*fakes(), TABLE, method="v1", per_head_scales=True).method == "gather"
+        assert cupaged.select_method(*d80, TABLE, method="gather").reason == "requested"
+        assert cupaged.select_method(*fakes(), TABLE, method="v2").method == "v2"
+    records = [r for r in caplog.records if r.name == "cupaged"]
+    assert [r.levelno for r in records] == [logging.WARNING] * 4, [r.getMessage() for r in records]
+    text = [r.getMessage() for r in records]
+    assert "method='v2'" in text[0] and "head_dim 80 has no kernel instance" in text[0] and "gather" in text[0]
+    assert "method='auto'" in text[1]
+    assert "q is not 16-byte aligned" in text[2]
+    assert "v1 takes per-tensor k_scale/v_scale only" in text[3]
+    _log.reset()
 
 
 # ---------------------------------------------------------------- CPU: merge_states
