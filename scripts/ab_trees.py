@@ -4,9 +4,10 @@ only the public API, so that the same script can time two versions of
 cupaged side by side: run it once per tree with that tree first on
 PYTHONPATH, alternating, and compare the CSVs.
 
-    git archive c000a05 cupaged cuda_src | tar -x -C .ab/old
+    git archive c000a05 cupaged cuda_src scripts | tar -x -C .ab/old
+    cp scripts/ab_trees.py .ab/old/scripts/   # the old tree's own scripts/_common.py
     for r in 1 2; do
-      PYTHONPATH=.ab/old python3 scripts/ab_trees.py --label old --csv OUT/old$r.csv
+      PYTHONPATH=.ab/old python3 .ab/old/scripts/ab_trees.py --label old --csv OUT/old$r.csv
       PYTHONPATH=$PWD    python3 scripts/ab_trees.py --label new --csv OUT/new$r.csv
     done
     python3 scripts/ab_trees.py --compare OUT/old1.csv OUT/old2.csv -- OUT/new1.csv OUT/new2.csv
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     from cupaged import autotune
 
     cells = args.cells or [parse_cell(c) for c in CELLS]
+    print(f"{args.label}: cupaged from {Path(cupaged.__file__).parent}", flush=True)
     rows = []
     for batch, ctx, page, hq, hkv, d, dtype in cells:
         name = f"{batch}x{ctx}x{page}x{hq}x{hkv}x{d}x{dtype}"

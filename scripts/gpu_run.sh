@@ -2,8 +2,10 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
+#        check ragged ragged_bench sweep sweep8 ab
 # (default: tests sanitize bench)
-# (carry .peer for bench/issue5 and .nbpeer for notebook; keep one call under 10 minutes)
+# (carry .peer for bench/issue5/ragged_bench, .nbpeer for notebook and .ab for ab;
+#  keep one call under 10 minutes)
 set -uo pipefail
 usage() {
   cat <<'EOF'
@@ -28,6 +30,14 @@ steps:
   profile     Nsight Compute profile of the partial kernel
   soak        serving-loop soak test on the GPU
   notebook    execute examples/quickstart.ipynb (needs nbclient and ipykernel)
+  check       correctness sweep, default configurations and --force-merge
+  ragged      correctness sweep --ragged and --ragged --force-merge, and
+              compute-sanitizer memcheck of the ragged-batch GPU tests
+  ragged_bench  the ragged-batch family against FlashInfer (fp16, bf16, fp8)
+  sweep       chunk sweep of the ragged family, fp16 (the planner check)
+  sweep8      chunk sweep of the ragged family, fp8 (every second cap)
+  ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
+              and of this tree on uniform cells, two interleaved rounds
 EOF
 }
 case ${1:-} in
@@ -65,6 +75,21 @@ for s in $steps; do case $s in
   fp8) run microbench_fp8 230 "$peer python3 scripts/microbench.py --kv-dtype fp8 --batch 1 8 32 128 --ctx 1024 32768 --out-dir $work/fp8" ;;
   soak) run soak 140 "python3 scripts/soak.py --backend gpu --json $work/soak.json" ;;
   notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" ;;
+  check) run correctness 150 "python3 scripts/correctness.py --csv $work/correctness.csv"
+         run correctness_merge 150 "python3 scripts/correctness.py --force-merge --csv $work/correctness_merge.csv" ;;
+  ragged) run correctness_ragged 120 "python3 scripts/correctness.py --ragged --csv $work/correctness_ragged.csv"
+          run correctness_ragged_merge 120 "python3 scripts/correctness.py --ragged --force-merge --csv $work/correctness_ragged_merge.csv"
+          run memcheck_ragged 150 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'ragged'" ;;
+  ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
+  sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
+  sweep8) run sweep_ragged8 150 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --csv $work/sweep_ragged8.csv" ;;
+  ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
+      for r in 1 2; do
+        run ab_old$r 150 "PYTHONPATH=$PWD/.ab/old python3 .ab/old/scripts/ab_trees.py --label old --cells $cells --csv $work/ab_old$r.csv"
+        run ab_new$r 150 "python3 scripts/ab_trees.py --label new --cells $cells --csv $work/ab_new$r.csv"
+      done
+      run ab_compare 30 "python3 scripts/ab_trees.py --compare $work/ab_old1.csv $work/ab_old2.csv -- $work/ab_new1.csv $work/ab_new2.csv"
+      cat "$work/ab_compare.log" ;;
   profile) run ncu 150 "ncu --clock-control none -k regex:paged_decode_partial --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats python3 scripts/microbench.py --batch 8 --ctx 32768 --methods v2 --reps 1 --iters 4 --host-iters 1 --out-dir $work/prof" ;;
 esac; done
 tar czf "$out/results.tgz" -C "$work" .

@@ -50,8 +50,12 @@ def compile_reports(request):
             reports[module] = {name: _loader.KernelResources(**res) for name, res in hit.items()}
         else:
             todo.append(module)
+    # The first compile alone: NVRTC loads libnvrtc-builtins on first use, and
+    # threads racing to load it failed once ("failed to open libnvrtc-builtins").
+    with ThreadPoolExecutor(max_workers=1) as first:
+        futures = {m: first.submit(_loader.compile_for_arch, *m, arch=ARCH) for m in todo[:1]}
     with ThreadPoolExecutor(max_workers=max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        futures = {m: pool.submit(_loader.compile_for_arch, *m, arch=ARCH) for m in todo}
+        futures.update({m: pool.submit(_loader.compile_for_arch, *m, arch=ARCH) for m in todo[1:]})
     for module, future in futures.items():
         if future.exception() is None:
             reports[module] = future.result()
