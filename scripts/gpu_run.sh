@@ -77,9 +77,9 @@ for s in $steps; do case $s in
   notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" ;;
   check) run correctness 150 "python3 scripts/correctness.py --csv $work/correctness.csv"
          run correctness_merge 150 "python3 scripts/correctness.py --force-merge --csv $work/correctness_merge.csv" ;;
-  ragged) run correctness_ragged 120 "python3 scripts/correctness.py --ragged --csv $work/correctness_ragged.csv"
-          run correctness_ragged_merge 120 "python3 scripts/correctness.py --ragged --force-merge --csv $work/correctness_ragged_merge.csv"
-          run memcheck_ragged 150 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'ragged'" ;;
+  ragged) run correctness_ragged 90 "python3 scripts/correctness.py --ragged --csv $work/correctness_ragged.csv"
+          run correctness_ragged_merge 90 "python3 scripts/correctness.py --ragged --force-merge --csv $work/correctness_ragged_merge.csv"
+          run memcheck_ragged 110 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'ragged'" ;;
   ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
   sweep8) run sweep_ragged8 150 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --csv $work/sweep_ragged8.csv" ;;
