@@ -61,7 +61,7 @@ ROOFLINE_BPS = 4.6e12
 
 # Random fill on the GPU is generated in float32 chunks of this many elements,
 # so a multi-GiB cache never needs a float32 temporary of its full size.
-_FILL_CHUNK = 1 << 26
+FILL_CHUNK = 1 << 26  # elements per random-fill step (bounds the float32 temporary)
 
 
 # ------------------------------------------------------------------- bytes
@@ -156,8 +156,8 @@ def fill_random(shape: Sequence[int], dtype: Any, rs) -> Any:
     out = cupy.empty(tuple(shape), dtype=dtype)
     flat = out.reshape(-1)
     n = flat.size
-    for start in range(0, n, _FILL_CHUNK):
-        stop = min(n, start + _FILL_CHUNK)
+    for start in range(0, n, FILL_CHUNK):
+        stop = min(n, start + FILL_CHUNK)
         flat[start:stop] = rs.standard_normal(stop - start, dtype=cupy.float32).astype(dtype)
     return out
 
@@ -273,8 +273,12 @@ class GraphTimer:
             fn()  # warm-up outside capture: compiles, uploads tables and workspaces
             self.stream.synchronize()
             self.stream.begin_capture()
-            for _ in range(self.launches):
-                fn()
+            try:
+                for _ in range(self.launches):
+                    fn()
+            except BaseException:
+                self.stream.end_capture()  # leave capture: the stream (and later work) stays usable
+                raise
             self.graph = self.stream.end_capture()
         self.graph.launch(self.stream)
         self.stream.synchronize()

@@ -358,6 +358,7 @@ class DeviceBatch:
 
 # standard normal values drawn in float32 on the GPU, chunked (cupaged.testing)
 fill_random = _testing.fill_random
+FILL_CHUNK = _testing.FILL_CHUNK
 
 
 def make_device_batch(

@@ -1363,8 +1363,8 @@ def fp8_caches(caches: list, dtype: np.dtype, scale: float) -> list:
             src = cupy.ascontiguousarray(a).reshape(-1).view(cupy.uint16)
             dst = cupy.empty(a.shape, dtype=cupy.uint8)
             flat = dst.reshape(-1)
-            for start in range(0, src.size, _common._FILL_CHUNK):
-                stop = min(src.size, start + _common._FILL_CHUNK)
+            for start in range(0, src.size, _common.FILL_CHUNK):
+                stop = min(src.size, start + _common.FILL_CHUNK)
                 flat[start:stop] = cupy.take(lut, src[start:stop])
             converted.append(dst)
         out.append(tuple(converted))

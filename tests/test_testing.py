@@ -140,6 +140,22 @@ def test_graph_timer_times_and_replays_decode():
 
 
 @pytest.mark.gpu
+def test_graph_timer_leaves_capture_when_the_call_raises():
+    # gather calls cuBLAS, which cannot be captured: the timer must end the
+    # capture it began, or every later CUDA call in the process fails
+    import cupy
+
+    b = testing.make_paged_batch([64, 40], 8, 2, 64, "float16", seed=2)
+    plan = cupaged.plan_decode(b.table, 8, 2, 64, b.dtype)
+    out = cupy.empty_like(b.q)
+    with pytest.raises(Exception):
+        testing.GraphTimer(lambda: cupaged.decode(b.q, b.k_cache, b.v_cache, b.table, plan, method="gather",
+                                                  out=out), launches=2)
+    cupy.cuda.runtime.deviceSynchronize()
+    assert float(cupy.arange(4).sum()) == 6.0  # the device still runs work
+
+
+@pytest.mark.gpu
 def test_benchmark_graph_fills_extra_info():
     import cupy
 

@@ -603,7 +603,7 @@ def test_decode_rejects(row):
 @pytest.mark.gpu
 @pytest.mark.parametrize("env, value, method, fragment", [
     ("CUPAGED_DECODE", "fast", "auto", "CUPAGED_DECODE='fast' must be one of"),
-    ("CUPAGED_CORE", "tensor", "v2", "CUPAGED_CORE='tensor': unknown core"),
+    ("CUPAGED_CORE", "tensor", "v2", "CUPAGED_CORE='tensor' must be one of ('mma', 'simt')"),
 ])
 def test_decode_rejects_bad_env(monkeypatch, env, value, method, fragment):
     b = gpu_batch()

@@ -32,6 +32,7 @@ pytestmark = pytest.mark.gpu
 # (batch, ctx) cells; the other parameters are fixed below
 SHAPES = ((1, 16384), (8, 4096), (32, 4096))
 METHODS = ("v2", "v1", "gather")
+GRAPH_METHODS = ("v2", "v1")  # gather calls cuBLAS, which CuPy cannot capture into a graph
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DTYPE = 32, 8, 128, 16, "float16"
 
 
@@ -79,7 +80,7 @@ def _extra_info(benchmark, batch, plan, ctx, method):
     )
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", GRAPH_METHODS)
 def test_decode_gpu_time(benchmark, decode_case, method, gpu):
     import cupaged
     from cupaged import testing
