@@ -74,7 +74,7 @@ for s in $steps; do case $s in
   cascade) run cascade_bench 200 "$peer python3 scripts/cascade_bench.py --out-dir $work/cascade" ;;
   fp8) run microbench_fp8 230 "$peer python3 scripts/microbench.py --kv-dtype fp8 --batch 1 8 32 128 --ctx 1024 32768 --out-dir $work/fp8" ;;
   soak) run soak 140 "python3 scripts/soak.py --backend gpu --json $work/soak.json" ;;
-  notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" ;;
+  notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" # set CUPAGED_COMMIT for the stamp ;;
   check) run correctness 150 "python3 scripts/correctness.py --csv $work/correctness.csv"
          run correctness_merge 150 "python3 scripts/correctness.py --force-merge --csv $work/correctness_merge.csv" ;;
   ragged) run correctness_ragged 90 "python3 scripts/correctness.py --ragged --csv $work/correctness_ragged.csv"
