@@ -21,11 +21,13 @@ the fit are in docs/architecture.md, "Ragged batches: balanced units"):
   batch size).
 * The makespan of LPT is close to its lower bound: over every prefix of the
   CTAs sorted longest first (``N_j`` CTAs, the shortest of them ``u_j`` long,
-  ``W_j`` in total), ``max(W_j / S, ceil(N_j / S) * u_j)``. This is exact for
-  equal units in full waves, charges a partial last wave in full, and for one
-  long request among short ones gives ``max(longest unit, work / S)``.
+  ``W_j`` in total), ``max(W_j / S, full waves of u_j + a partial last wave
+  of u_j at the rate of its own CTA count)``. This is exact for equal units
+  in full waves, and for one long request among short ones gives
+  ``max(longest unit, work / S)``.
 * A request split into ``n > 1`` chunks adds the merge that its last CTA runs:
-  ``merge_us + merge_us_per_chunk * n`` for the request with most chunks.
+  ``merge_us + merge_us_per_chunk * n`` for the request with most chunks
+  (the longest: chunk counts grow with the length).
 
 Everything here is NumPy on the host.
 """
@@ -45,7 +47,7 @@ __all__ = ["StepCosts", "H200_COSTS", "split_pages", "candidate_caps", "predict_
 class StepCosts:
     """Constants of the step-time model (:func:`predict_step_us`).
 
-    * ``hbm_gbps``: KV bytes per µs x 1e-3 the whole device streams (GB/s).
+    * ``hbm_gbps``: KV bytes the whole device streams, GB/s.
     * ``cta_gbps``: what one CTA streams when it has the HBM to itself (GB/s).
     * ``cta_us``: fixed cost of one CTA (query, page ids, ring fill, partial
       write), µs.
