@@ -444,3 +444,19 @@ def test_build_page_table_rejections(states, resolve, rule):
 def test_repr_is_short():
     r = repr(PageTable.from_seq_lens(list(range(1, 100)), 16))
     assert r.startswith("PageTable(batch_size=99, page_size=16") and len(r) < 200
+
+
+def test_more_slots_than_int32_is_rejected():
+    """The kernels count a request's slots, ``(pages-1)*page_size +
+    last_page_len``, in a C ``int``: one request of 2**31 slots (2**15 pages
+    of 2**16) is refused, naming the request; 2**31 - 1 slots still fit."""
+    P = 2**16
+    ok = PageTable.from_seq_lens([5, 2**31 - 1], P)
+    assert ok.seq_lens.tolist() == [5, 2**31 - 1]
+    with pytest.raises(PageTableError, match=r"^request 1: .*2147483648 slots.* 2\*\*31-1"):
+        PageTable.from_seq_lens([5, 2**31], P)
+    with pytest.raises(PageTableError, match=r"^request 1: "):  # a mid-page start counts its slots too
+        PageTable.from_seq_lens([5, 2**31 - 10], P, [0, 10])
+    n = 2**15
+    with pytest.raises(PageTableError, match=r"^request 0: "):  # the constructor, not only from_seq_lens
+        PageTable(np.arange(n, dtype=np.int32), [0, n], [P], page_size=P)
