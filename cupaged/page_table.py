@@ -614,12 +614,24 @@ class PageTable:
             P,
         )
 
+    def __reduce__(self) -> tuple:
+        """Pickle, ``copy`` and ``deepcopy`` rebuild the table through the
+        constructor: the copy's arrays are read-only and checked again, its
+        derived facts recomputed, and no device buffer is carried over."""
+        return (_rebuild_page_table, (type(self), self.indices, self.indptr, self.last_page_len,
+                                      self.first_page_offset, self.page_size))
+
     def __repr__(self) -> str:
         lens = np.array2string(self._seq_lens, threshold=8)
         return (
             f"PageTable(batch_size={self.batch_size}, page_size={self.page_size}, "
             f"pages={self.indices.shape[0]}, seq_lens={lens})"
         )
+
+
+def _rebuild_page_table(cls: type, indices, indptr, last_page_len, first_page_offset, page_size) -> PageTable:
+    """Unpickle / copy a :class:`PageTable` (see ``PageTable.__reduce__``)."""
+    return cls(indices, indptr, last_page_len, first_page_offset, page_size=page_size)
 
 
 def build_page_table(

@@ -460,3 +460,29 @@ def test_more_slots_than_int32_is_rejected():
     n = 2**15
     with pytest.raises(PageTableError, match=r"^request 0: "):  # the constructor, not only from_seq_lens
         PageTable(np.arange(n, dtype=np.int32), [0, n], [P], page_size=P)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy"])
+def test_copies_are_frozen_and_consistent(how):
+    """A pickled or (deep)copied table is rebuilt through the constructor: the
+    same content, read-only arrays (so no out-of-range id can be written into
+    a copy behind its cached ``max_page_id``), the same derived facts, and no
+    device buffer of the original."""
+    import copy
+    import pickle
+
+    t = PageTable([7, 3, 5, 1], [0, 3, 4], [2, 1], [2, 0], page_size=4)
+    t._device = ("device 0", "a buffer")  # what device() caches
+    c = {"pickle": lambda: pickle.loads(pickle.dumps(t)), "deepcopy": lambda: copy.deepcopy(t),
+         "copy": lambda: copy.copy(t)}[how]()
+    assert type(c) is PageTable and c._device is None and c.page_size == 4
+    for name in ("indices", "indptr", "last_page_len", "first_page_offset", "request_pages", "seq_lens"):
+        a, b = getattr(t, name), getattr(c, name)
+        assert b.dtype == a.dtype and b.tolist() == a.tolist(), name
+        assert not b.flags.writeable, name
+        with pytest.raises(ValueError):
+            b[0] = 1000
+    assert c.max_page_id == 7
+    c.check_page_ids(8)
+    with pytest.raises(PageTableError, match="page id 7 at indices"):
+        c.check_page_ids(7)
