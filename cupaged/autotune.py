@@ -8,12 +8,31 @@ the winner on disk per (device, dtype, head_dim, GQA group, page size,
 bucketed batch, bucketed context).
 
 The cache is a JSON file, ``$CUPAGED_CACHE_DIR/autotune.json`` (default
-``~/.cache/cupaged``); delete it to re-tune.
+``~/.cache/cupaged``); delete it to re-tune. It is safe to share between
+processes and careful with what it finds:
+
+* A write takes an exclusive ``flock`` on ``autotune.json.lock`` in the
+  directory, reads the file, adds its key and replaces the file through a
+  unique temporary file (``tempfile.mkstemp`` + ``os.replace``), so
+  concurrent tuners neither lose each other's keys nor see half a file.
+* A directory not owned by the current user, or writable by others, is not
+  used (a warning; nothing is read or written), and a cache file that is a
+  symlink is never followed (a warning; it counts as empty and is not
+  written through).
+* A malformed file (not JSON, not an object, nested too deeply, over 16 MiB)
+  counts as empty, and an entry whose value is not an int in
+  ``[1, 2**31 - 1]`` (a valid ``pages_per_chunk``) is ignored, each with a
+  warning (``UserWarning``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +41,22 @@ import numpy as np
 
 from . import _configs, _env
 from .page_table import PageTable
-from .plan import DecodePlan, plan_decode
+from .plan import MAX_PAGES_PER_CHUNK, DecodePlan, plan_decode
 from .testing import graph_time_us  # re-exported: the timer lives in cupaged.testing
 
 __all__ = ["bucket", "candidates", "cache_key", "graph_time_us", "TuneResult", "tune", "tuned_plan"]
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover (not POSIX: writes are not locked)
+    fcntl = None  # type: ignore[assignment]
+
 ENV_CACHE_DIR = _env.CACHE_DIR
+
+_LOCK_NAME = "autotune.json.lock"
+_MAX_CACHE_BYTES = 16 << 20  # a few hundred bytes per key; anything larger is not ours
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a planted FIFO must not block the open
 
 
 def bucket(n: int) -> int:
@@ -83,21 +112,127 @@ def _cache_path() -> Path:
     return _env.cache_dir() / "autotune.json"
 
 
-def _load_cache() -> dict:
+def _warn(message: str) -> None:
+    warnings.warn(f"cupaged autotune cache: {message}", UserWarning, stacklevel=3)
+
+
+def _current_uid() -> int | None:
+    """The user who must own the cache directory (None where there are no uids)."""
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _unsafe_dir(directory: Path) -> str | None:
+    """Why ``directory`` must not hold the cache (another user's, or writable
+    by others), or None when it may."""
     try:
-        return json.loads(_cache_path().read_text())
-    except (OSError, ValueError):
+        st = os.stat(directory)
+    except OSError as e:
+        return f"cannot stat {directory} ({e})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{directory} is not a directory"
+    uid = _current_uid()
+    if uid is not None and st.st_uid != uid:
+        return f"{directory} is owned by uid {st.st_uid}, not by the current user (uid {uid})"
+    if st.st_mode & stat.S_IWOTH:
+        return f"{directory} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _valid_winner(value) -> bool:
+    """A cached winner: an int (not a bool) that is a valid ``pages_per_chunk``."""
+    return type(value) is int and 1 <= value <= MAX_PAGES_PER_CHUNK
+
+
+def _read(path: Path) -> dict[str, int]:
+    """The valid entries of the cache file at ``path``; {} (with a warning
+    unless the file is simply missing) for a symlink, an unreadable or a
+    malformed file."""
+    if os.path.islink(path):
+        _warn(f"{path} is a symlink; it is not followed (the cache counts as empty)")
         return {}
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        _warn(f"cannot read {path} ({e}); the cache counts as empty")
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            _warn(f"{path} is not a regular file; the cache counts as empty")
+            return {}
+        raw = f.read(_MAX_CACHE_BYTES + 1)
+    if len(raw) > _MAX_CACHE_BYTES:
+        _warn(f"{path} is larger than {_MAX_CACHE_BYTES} bytes; the cache counts as empty")
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, huge ints; deep nesting
+        _warn(f"{path} is not valid JSON ({type(e).__name__}: {str(e)[:100]}); the cache counts as empty")
+        return {}
+    if not isinstance(data, dict):
+        _warn(f"{path} holds a JSON {type(data).__name__}, not an object; the cache counts as empty")
+        return {}
+    cache = {key: value for key, value in data.items() if _valid_winner(value)}
+    if len(cache) != len(data):
+        _warn(f"{path}: ignored {len(data) - len(cache)} entries whose value is not an int in "
+              f"[1, {MAX_PAGES_PER_CHUNK}] (a pages_per_chunk)")
+    return cache
+
+
+def _load_cache() -> dict[str, int]:
+    """The cached winners, ``{cache_key: pages_per_chunk}``; {} when there is
+    no cache, and (with a warning) when the directory or file is unsafe or
+    malformed (see the module docstring)."""
+    path = _cache_path()
+    if not os.path.isdir(path.parent):
+        return {}
+    why = _unsafe_dir(path.parent)
+    if why is not None:
+        _warn(f"{why}; the cache is not read")
+        return {}
+    return _read(path)
+
+
+@contextlib.contextmanager
+def _write_lock(directory: Path):
+    """Hold an exclusive ``flock`` on the directory's lock file."""
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    fd = os.open(directory / _LOCK_NAME, os.O_RDWR | os.O_CREAT | _O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _store(key: str, value: int) -> None:
+    """Add ``key: value`` to the cache file: read, merge and replace under
+    the directory's lock, through a unique temporary file. An unsafe
+    directory or a symlinked cache file is left alone, with a warning."""
     path = _cache_path()
-    cache = _load_cache()
-    cache[key] = value
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: concurrent tuners never see half a file
+    why = _unsafe_dir(path.parent)
+    if why is not None:
+        _warn(f"{why}; the winner for {key!r} is not stored")
+        return
+    with _write_lock(path.parent):
+        if os.path.islink(path):
+            _warn(f"{path} is a symlink; it is not written through (the winner for {key!r} is not stored)")
+            return
+        cache = _read(path)
+        cache[key] = value
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # atomic: readers never see half a file
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 @dataclass(frozen=True)
@@ -160,7 +295,8 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True, kv_layout
         its own. ``ValueError`` from ``plan_decode`` (empty batch, heads not
         divisible, unsupported dtype, ...); what ``decode`` raises for bad
         tensors (``TypeError``, ``ValueError``, ``PageTableError``);
-        ``OSError`` if the cache file cannot be written.
+        ``OSError`` if the cache file cannot be written (an unsafe cache
+        directory or a symlinked cache file is a warning and no write).
 
     Example (needs a GPU)::
 
@@ -197,8 +333,9 @@ def tuned_plan(q, k_cache, v_cache, table: PageTable, *, kv_layout: str = "NHD")
     Looks up :func:`cache_key` (device name, ``q.dtype``, ``D``,
     ``Hq // Hkv``, page size, bucketed batch and longest request) in
     ``$CUPAGED_CACHE_DIR/autotune.json`` (default
-    ``~/.cache/cupaged/autotune.json``; a missing or unreadable file counts as
-    empty); on a miss runs :func:`tune` with ``store=True``. Tables of one
+    ``~/.cache/cupaged/autotune.json``; a missing, unreadable or malformed
+    file counts as empty, and a bad entry as missing, the latter two with a
+    warning: see the module docstring); on a miss runs :func:`tune` with ``store=True``. Tables of one
     bucket share the winner. Arguments as :func:`tune` (``q [B, Hq, D]``,
     caches ``[num_pages, page_size, Hkv, D]`` CuPy arrays, the batch's
     table); the same caveat holds: for shapes the kernels decline the tuned
@@ -225,7 +362,7 @@ def tuned_plan(q, k_cache, v_cache, table: PageTable, *, kv_layout: str = "NHD")
     num_kv_heads = k_cache.shape[2 if kv_layout == "NHD" else 1]
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     key = cache_key(name, q.dtype, head_dim, num_qo_heads // num_kv_heads, table, k_cache.dtype)
-    best = _load_cache().get(key)
+    best = _load_cache().get(key)  # only valid winners: an int in [1, 2**31 - 1]
     if best is None:
         best = tune(q, k_cache, v_cache, table, kv_layout=kv_layout).best
     return plan_decode(table, num_qo_heads, num_kv_heads, head_dim, np.dtype(q.dtype), kv_dtype=_kv_dtype(q, k_cache),

@@ -211,7 +211,9 @@ class PageTable:
     first_page_offset < page_size`` and, with one page, ``first_page_offset <
     last_page_len``; a request with zero pages (fully trimmed, ``seq_len`` 0)
     needs ``first_page_offset == 0`` and ``0 <= last_page_len <= page_size``;
-    page ids are ``>= 0``.
+    a request spans at most ``2**31 - 1`` slots, ``(pages - 1) * page_size +
+    last_page_len`` (the kernels count them in an ``int``); page ids are
+    ``>= 0``.
 
     Properties: ``batch_size`` (``B``), ``request_pages`` (int32 ``[B]``),
     ``seq_lens`` (int64 ``[B]``, visible tokens), ``max_page_id`` (-1 when
@@ -404,6 +406,14 @@ class PageTable:
                 has & ((off < 0) | (off >= P)),
                 lambda i: f"first_page_offset must be in [0, page_size={P}), "
                 f"got {int(off[i])}",
+            ),
+            (
+                # The kernels count a request's slots in a C int; pages is
+                # int64 and at most 2**31, so the product cannot wrap.
+                has & ((pages - 1) * P + last > _INT32_MAX),
+                lambda i: f"(pages-1)*page_size + last_page_len = "
+                f"{(int(pages[i]) - 1) * P + int(last[i])} slots exceed 2**31-1 "
+                "(the kernels count slots in an int)",
             ),
             (
                 (pages == 1) & (off >= last),
@@ -604,12 +614,24 @@ class PageTable:
             P,
         )
 
+    def __reduce__(self) -> tuple:
+        """Pickle, ``copy`` and ``deepcopy`` rebuild the table through the
+        constructor: the copy's arrays are read-only and checked again, its
+        derived facts recomputed, and no device buffer is carried over."""
+        return (_rebuild_page_table, (type(self), self.indices, self.indptr, self.last_page_len,
+                                      self.first_page_offset, self.page_size))
+
     def __repr__(self) -> str:
         lens = np.array2string(self._seq_lens, threshold=8)
         return (
             f"PageTable(batch_size={self.batch_size}, page_size={self.page_size}, "
             f"pages={self.indices.shape[0]}, seq_lens={lens})"
         )
+
+
+def _rebuild_page_table(cls: type, indices, indptr, last_page_len, first_page_offset, page_size) -> PageTable:
+    """Unpickle / copy a :class:`PageTable` (see ``PageTable.__reduce__``)."""
+    return cls(indices, indptr, last_page_len, first_page_offset, page_size=page_size)
 
 
 def build_page_table(

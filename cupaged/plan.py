@@ -117,6 +117,20 @@ def _positive_int(value: Any, name: str) -> int:
     return value
 
 
+#: The largest chunk size: the kernels take ``pages_per_chunk`` as a C ``int``
+#: and the plan stores it as int32 (2**32 would arrive as 0).
+MAX_PAGES_PER_CHUNK = 2**31 - 1
+
+
+def _chunk_size(value: Any, name: str) -> int:
+    """``value`` as an int in ``[1, MAX_PAGES_PER_CHUNK]``, else InvalidArgumentError naming ``name``."""
+    value = _positive_int(value, name)
+    if value > MAX_PAGES_PER_CHUNK:
+        raise InvalidArgumentError(
+            f"{name} must be a positive integer <= {MAX_PAGES_PER_CHUNK}, got {value}")
+    return value
+
+
 def _request_pages(request_pages: Any) -> np.ndarray:
     """``request_pages`` as a 1-D non-negative int64 array."""
     arr = np.asarray(request_pages)
@@ -616,7 +630,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             ``target_ctas`` field, as they do next to an explicit
             ``pages_per_chunk``.
         pages_per_chunk: keyword-only; every request in chunks of this
-            many pages (``>= 1``, a uniform split). When None: with
+            many pages (``1 .. 2**31 - 1``, a uniform split). When None: with
             ``max_pages_per_chunk``, that balanced split; with
             ``deterministic``, :func:`deterministic_pages_per_chunk`; else
             with an explicit target (``target_ctas``, else env
@@ -628,7 +642,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             (:func:`cupaged.schedule.choose_max_pages_per_chunk`, with
             :func:`ctas_per_sm` resident CTAs per SM).
         max_pages_per_chunk: keyword-only; split each request into the
-            fewest equal chunks of at most this many pages (``>= 1``;
+            fewest equal chunks of at most this many pages (``1 .. 2**31 - 1``;
             :func:`cupaged.schedule.split_pages`).
         target_ctas: keyword-only CTA target (default None).
         num_sms: keyword-only SM count for the default (default None: the
@@ -644,7 +658,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     Raises:
         InvalidArgumentError (a ValueError; ShapeError for heads not divisible, ArgumentTypeError for a table that is not a PageTable) naming the argument: an empty batch (``B == 0``); a size
         (heads, ``head_dim``, ``pages_per_chunk``, ``target_ctas``,
-        ``num_sms``) that is not a positive integer; ``num_qo_heads`` not a
+        ``num_sms``) that is not a positive integer; ``pages_per_chunk`` or
+        ``max_pages_per_chunk`` above ``2**31 - 1`` (the kernels' ``int``); ``num_qo_heads`` not a
         multiple of ``num_kv_heads``; ``head_dim`` not a multiple of 8; an
         unsupported ``dtype`` or ``(dtype, kv_dtype)`` pair (the message lists
         the supported pairs); a grid beyond CUDA's limits; a malformed (not a
@@ -691,9 +706,9 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         raise InvalidArgumentError(
             f"deterministic must be True or False, got {deterministic!r}")
     if pages_per_chunk is not None:
-        pages_per_chunk = _positive_int(pages_per_chunk, "pages_per_chunk")
+        pages_per_chunk = _chunk_size(pages_per_chunk, "pages_per_chunk")
     if max_pages_per_chunk is not None:
-        max_pages_per_chunk = _positive_int(max_pages_per_chunk, "max_pages_per_chunk")
+        max_pages_per_chunk = _chunk_size(max_pages_per_chunk, "max_pages_per_chunk")
     if target_ctas is not None:
         target_ctas = _positive_int(target_ctas, "target_ctas")
     if num_sms is not None:

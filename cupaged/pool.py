@@ -24,10 +24,12 @@ leaves refcounts, the free list and every sequence exactly as they were.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import operator
+import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVar
 
 import numpy as np
 
@@ -113,6 +115,19 @@ def _count(name: str, value: Any) -> int:
     return n
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """Run ``method`` under the pool's lock (one call at a time)."""
+    @functools.wraps(method)
+    def wrapper(self: "BlockPool", *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 def _pages_for(logical_start: int, length: int, page_size: int) -> int:
     """Pages a sequence holds: blocks ``logical_start // P .. ceil(length/P)-1``,
     or none when nothing is visible (the rule build_page_table checks)."""
@@ -138,6 +153,12 @@ class BlockPool:
     ids, in insertion order). Methods: :meth:`refcount`, :meth:`sequence`,
     :meth:`add_sequence`, :meth:`append`, :meth:`fork`, :meth:`trim_front`,
     :meth:`apply_window`, :meth:`free`, :meth:`page_table`.
+
+    Threads: safe to call from several threads; each call is atomic. One
+    ``threading.RLock`` is held for the whole of every method and property,
+    so a call sees and leaves the pool consistent and a failed call still
+    changes nothing. A sequence of calls is not atomic (another thread may
+    run between them).
 
     Raises:
         OutOfPagesError (a ``MemoryError``): ``append`` or ``fork`` needs more
@@ -183,6 +204,7 @@ class BlockPool:
         self._free = list(range(self._num_pages))  # sorted, hence a valid heap
         self._seqs: dict[int, SequenceState] = {}
         self._next_id = 0
+        self._lock = threading.RLock()
 
     # -- read-only facts ---------------------------------------------------
 
@@ -197,19 +219,23 @@ class BlockPool:
         return self._page_size
 
     @property
+    @_locked
     def num_free(self) -> int:
         """Pages on the free list (refcount 0)."""
         return len(self._free)
 
     @property
+    @_locked
     def seq_ids(self) -> tuple[int, ...]:
         """Live sequence ids, in the order they were added."""
         return tuple(self._seqs)
 
+    @_locked
     def refcount(self, page: int) -> int:
         """Number of sequences holding physical page ``page``."""
         return self._refcount[self._page_id(page)]
 
+    @_locked
     def sequence(self, seq_id: int) -> SequenceState:
         """Current state of sequence ``seq_id`` (:class:`UnknownSequenceError`,
         a ``KeyError``, if unknown)."""
@@ -217,6 +243,7 @@ class BlockPool:
 
     # -- operations --------------------------------------------------------
 
+    @_locked
     def add_sequence(self, seq_id: int | None = None) -> int:
         """Register an empty sequence; return its id (the lowest unused id
         counting up from the last auto-assigned one, when ``seq_id`` is None).
@@ -225,6 +252,7 @@ class BlockPool:
         self._seqs[sid] = SequenceState((), 0, 0)
         return sid
 
+    @_locked
     def append(self, seq_id: int, n_tokens: int) -> tuple[int, ...]:
         """Grow ``seq_id`` by ``n_tokens`` written tokens; return the ids of
         the pages newly allocated for them (in token order). The caller writes
@@ -244,6 +272,7 @@ class BlockPool:
         self._seqs[seq_id] = SequenceState(st.pages + fresh, st.logical_start, new_len)
         return fresh
 
+    @_locked
     def fork(
         self, parent_id: int, child_id: int | None = None
     ) -> tuple[int, tuple[PageCopy, ...]]:
@@ -279,6 +308,7 @@ class BlockPool:
         self._seqs[cid] = SequenceState(pages, st.logical_start, st.length)
         return cid, copies
 
+    @_locked
     def trim_front(self, seq_id: int, n_tokens: int) -> tuple[int, ...]:
         """Retire the first ``n_tokens`` visible tokens of ``seq_id``
         (``logical_start += n_tokens``; at most the visible length).
@@ -307,6 +337,7 @@ class BlockPool:
         self._seqs[seq_id] = SequenceState(st.pages[len(dropped) :], start, st.length)
         return dropped
 
+    @_locked
     def apply_window(self, seq_id: int, window: int) -> tuple[int, ...]:
         """Keep only the last ``window`` visible tokens of ``seq_id`` (a
         sliding window); returns the pages dropped, as :meth:`trim_front`."""
@@ -314,12 +345,14 @@ class BlockPool:
         w = _count("window", window)
         return self.trim_front(seq_id, max(0, st.length - st.logical_start - w))
 
+    @_locked
     def free(self, seq_id: int) -> None:
         """Remove ``seq_id`` and release every page it holds."""
         st = self._state(seq_id)
         self._release(st.pages)
         del self._seqs[seq_id]
 
+    @_locked
     def page_table(
         self, seq_ids: Iterable[int] | None = None
     ) -> tuple[PageTable, np.ndarray]:
@@ -395,6 +428,7 @@ class BlockPool:
             if self._refcount[p] == 0:
                 heapq.heappush(self._free, p)
 
+    @_locked
     def __repr__(self) -> str:
         return (
             f"BlockPool(num_pages={self._num_pages}, page_size={self._page_size}, "

@@ -444,3 +444,45 @@ def test_build_page_table_rejections(states, resolve, rule):
 def test_repr_is_short():
     r = repr(PageTable.from_seq_lens(list(range(1, 100)), 16))
     assert r.startswith("PageTable(batch_size=99, page_size=16") and len(r) < 200
+
+
+def test_more_slots_than_int32_is_rejected():
+    """The kernels count a request's slots, ``(pages-1)*page_size +
+    last_page_len``, in a C ``int``: one request of 2**31 slots (2**15 pages
+    of 2**16) is refused, naming the request; 2**31 - 1 slots still fit."""
+    P = 2**16
+    ok = PageTable.from_seq_lens([5, 2**31 - 1], P)
+    assert ok.seq_lens.tolist() == [5, 2**31 - 1]
+    with pytest.raises(PageTableError, match=r"^request 1: .*2147483648 slots.* 2\*\*31-1"):
+        PageTable.from_seq_lens([5, 2**31], P)
+    with pytest.raises(PageTableError, match=r"^request 1: "):  # a mid-page start counts its slots too
+        PageTable.from_seq_lens([5, 2**31 - 10], P, [0, 10])
+    n = 2**15
+    with pytest.raises(PageTableError, match=r"^request 0: "):  # the constructor, not only from_seq_lens
+        PageTable(np.arange(n, dtype=np.int32), [0, n], [P], page_size=P)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy"])
+def test_copies_are_frozen_and_consistent(how):
+    """A pickled or (deep)copied table is rebuilt through the constructor: the
+    same content, read-only arrays (so no out-of-range id can be written into
+    a copy behind its cached ``max_page_id``), the same derived facts, and no
+    device buffer of the original."""
+    import copy
+    import pickle
+
+    t = PageTable([7, 3, 5, 1], [0, 3, 4], [2, 1], [2, 0], page_size=4)
+    t._device = ("device 0", "a buffer")  # what device() caches
+    c = {"pickle": lambda: pickle.loads(pickle.dumps(t)), "deepcopy": lambda: copy.deepcopy(t),
+         "copy": lambda: copy.copy(t)}[how]()
+    assert type(c) is PageTable and c._device is None and c.page_size == 4
+    for name in ("indices", "indptr", "last_page_len", "first_page_offset", "request_pages", "seq_lens"):
+        a, b = getattr(t, name), getattr(c, name)
+        assert b.dtype == a.dtype and b.tolist() == a.tolist(), name
+        assert not b.flags.writeable, name
+        with pytest.raises(ValueError):
+            b[0] = 1000
+    assert c.max_page_id == 7
+    c.check_page_ids(8)
+    with pytest.raises(PageTableError, match="page id 7 at indices"):
+        c.check_page_ids(7)

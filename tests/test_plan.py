@@ -756,3 +756,15 @@ def test_deterministic_plan_fields(monkeypatch):
     assert plan_decode(make_table(rng, [2049], 1), 8, 8, 64, "float16", deterministic=True).request_chunks[0] == 3
     big = plan_decode(make_table(rng, [9000], 4096), 8, 8, 64, "float16", deterministic=True)
     assert big.pages_per_chunk == 1 and big.request_chunks[0] == 3
+
+
+@pytest.mark.parametrize("arg, fits", [("pages_per_chunk", 2**31 - 1), ("max_pages_per_chunk", 7)])
+def test_chunk_size_beyond_int32_is_rejected(arg, fits):
+    """The kernels read the chunk size as a C ``int``: 2**32 would arrive as 0
+    (zero output, LSE -inf), so it is refused; 2**31 - 1 is still a valid size."""
+    table = PageTable.from_seq_lens([100, 7], 16)
+    for bad in (2**31, 2**32):
+        with pytest.raises(InvalidArgumentError, match=rf"^{arg} must be .* <= 2147483647, got {bad}"):
+            plan_decode(table, 8, 8, 128, np.float16, num_sms=132, **{arg: bad})
+    plan = plan_decode(table, 8, 8, 128, np.float16, num_sms=132, **{arg: 2**31 - 1})
+    assert plan.pages_per_chunk == fits and plan.request_chunks.tolist() == [1, 1]

@@ -423,3 +423,68 @@ def test_random_operation_sequences_keep_invariants():
             except OutOfPagesError:
                 assert snapshot(m.pool) == before, (trial, step)
             m.check()
+
+
+def test_threads_keep_the_pool_consistent():
+    """Eight threads add, append to, fork, trim and free their own sequences
+    (and read the pool) at once: every call is atomic, so the only error is
+    the documented OutOfPagesError and afterwards each page's refcount is the
+    number of sequences holding it, and free + held pages are all pages.
+    (A tiny switch interval forces interleavings inside calls.)"""
+    import random
+    import sys
+    import threading
+
+    pool = BlockPool(num_pages=96, page_size=4)
+    errors: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[int] = []
+        try:
+            start.wait()
+            for _ in range(400):
+                op = rng.randrange(7)
+                try:
+                    if op == 0 or not mine:
+                        mine.append(pool.add_sequence())
+                    elif op == 1:
+                        pool.append(rng.choice(mine), rng.randint(1, 9))
+                    elif op == 2:
+                        mine.append(pool.fork(rng.choice(mine))[0])
+                    elif op == 3:
+                        pool.free(mine.pop(rng.randrange(len(mine))))
+                    elif op == 4:
+                        s = rng.choice(mine)
+                        st = pool.sequence(s)
+                        pool.trim_front(s, rng.randint(0, st.length - st.logical_start))
+                    elif op == 5:
+                        pool.page_table(mine)
+                    else:
+                        pool.num_free, pool.seq_ids, pool.refcount(rng.randrange(pool.num_pages))
+                except OutOfPagesError:
+                    pass
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors
+    held: dict[int, int] = {}
+    for s in pool.seq_ids:
+        for p in pool.sequence(s).pages:
+            held[p] = held.get(p, 0) + 1
+    free = list(pool._free)
+    assert len(free) == len(set(free)) == pool.num_free
+    assert not set(free) & set(held)
+    assert len(free) + len(held) == pool.num_pages
+    assert [pool.refcount(p) for p in range(pool.num_pages)] == [held.get(p, 0) for p in range(pool.num_pages)]
