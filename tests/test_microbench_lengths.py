@@ -255,7 +255,7 @@ def test_csv_schema_is_its_own():
 
 # The CPU stand-in GPU of tests/test_scripts.py (fake cupy whose kernels
 # advance a clock; capture records their cost into a graph).
-from test_scripts import _fake_cupy, _FakeGPU, _gpu_present, _kv_of  # noqa: E402
+from test_scripts import _fake_cupy, _fake_device_batch, _FakeGPU, _gpu_present, _kv_of  # noqa: E402
 
 
 class _FakeFlashInfer:
@@ -295,12 +295,6 @@ def fake_run(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(gpu))
     monkeypatch.setenv("CUPAGED_NUM_SMS", "132")
 
-    def make_device_batch(layout, hq, hkv, head_dim, dtype, *, seed, replicas=1):
-        table = _common.layout_table(layout)
-        empty = np.empty((0, layout.page_size, hkv, head_dim), dtype=dtype)
-        q = np.ones((layout.batch_size, hq, head_dim), dtype=dtype)
-        return _common.DeviceBatch(layout, table, q, [(empty, empty)] * replicas, hq, hkv, head_dim, np.dtype(dtype))
-
     def decode(q, k_cache, v_cache, table, plan=None, *, method="auto", out=None, **kw):
         state.decodes.append((method, k_cache.dtype, plan.kv_dtype, kw))
         gpu.kernel(_kv_of(table, k_cache) / 3.8e6 + 6.0, method)
@@ -318,7 +312,7 @@ def fake_run(monkeypatch):
             self.gpu = gpu
             state.flashinfers.append(self)
 
-    monkeypatch.setattr(_common, "make_device_batch", make_device_batch)
+    monkeypatch.setattr(_common, "make_device_batch", _fake_device_batch)
     monkeypatch.setattr(_common, "require_gpu", lambda: None)
     monkeypatch.setattr(cupaged, "decode", decode)
     monkeypatch.setattr(cupaged, "select_method", lambda *a, **k: cupaged.Selection("v2", "requested"))

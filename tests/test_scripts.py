@@ -809,6 +809,14 @@ class _FakeGPU:
             self.clock += cost_us
 
 
+def _fake_device_batch(layout, hq, hkv, head_dim, dtype, *, seed, replicas=1):
+    """_common.make_device_batch on the stand-in GPU: a real table, a host q and empty caches."""
+    table = _common.layout_table(layout)
+    empty = np.empty((0, layout.page_size, hkv, head_dim), dtype=dtype)
+    q = np.ones((layout.batch_size, hq, head_dim), dtype=dtype)
+    return _common.DeviceBatch(layout, table, q, [(empty, empty)] * replicas, hq, hkv, head_dim, np.dtype(dtype))
+
+
 def _fake_cupy(gpu: _FakeGPU) -> ModuleType:
     cupy = ModuleType("cupy")
 
@@ -892,12 +900,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(gpu))
     monkeypatch.setenv("CUPAGED_NUM_SMS", "132")
 
-    def make_device_batch(layout, hq, hkv, head_dim, dtype, *, seed, replicas=1):
-        table = _common.layout_table(layout)
-        empty = np.empty((0, layout.page_size, hkv, head_dim), dtype=dtype)
-        q = np.ones((layout.batch_size, hq, head_dim), dtype=dtype)
-        return _common.DeviceBatch(layout, table, q, [(empty, empty)] * replicas, hq, hkv, head_dim, np.dtype(dtype))
-
     factor = {"v2": 1.0, "auto": 1.0, "v1": 3.0, "gather": 40.0}
 
     def decode(q, k_cache, v_cache, table, plan=None, *, method="auto", out=None, **kw):
@@ -919,7 +921,7 @@ def fake_gpu(monkeypatch):
                 out.append(microbench.Runner(f"flashinfer_{name}", calls, o, contextlib.nullcontext))
             return out
 
-    monkeypatch.setattr(_common, "make_device_batch", make_device_batch)
+    monkeypatch.setattr(_common, "make_device_batch", _fake_device_batch)
     monkeypatch.setattr(_common, "require_gpu", lambda: None)
     monkeypatch.setattr(cupaged, "decode", decode)
     monkeypatch.setattr(microbench, "FlashInfer", FlashInfer)
