@@ -18,12 +18,72 @@ write from several CTAs. Both are for debugging, not for the serving loop.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
-from .errors import LayoutError, PageTableError
+from .errors import LayoutError, PageTableError, PlanMismatchError
 from .page_table import DeviceTable, PageTable
 
-__all__ = ["check_device_table", "check_out_overlap", "plan_mismatch_reason"]
+__all__ = ["check_device_table", "check_out_overlap", "plan_mismatch_reason", "check_plan_structure",
+           "trust_plan"]
+
+# Plans whose fields are known consistent: every plan plan_decode returns
+# (trust_plan), and every other plan once check_plan_structure passed it.
+_SOUND: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def trust_plan(plan) -> None:
+    """Marks a plan made by :func:`cupaged.plan_decode` as consistent (no
+    structural check at its first launch)."""
+    _SOUND.add(plan)
+
+
+def check_plan_structure(plan) -> None:
+    """Checks that a :class:`~cupaged.DecodePlan`'s fields agree with one
+    another, once per plan object: a plan that ``plan_decode`` did not make
+    (``dataclasses.replace``, a pickle, a hand-built one) reaches the kernel
+    only if they do. The kernel's memory safety rests on them: the grid
+    covers exactly the chunks, each request's chunks are the rows
+    ``o_indptr[r]:o_indptr[r+1]`` in order, the launch order is a
+    permutation, the head split multiplies out and ``needs_merge`` says
+    whether any request splits. Raises :class:`PlanMismatchError` naming the
+    first field that disagrees."""
+    if plan in _SOUND:
+        return
+    from ._configs import HEADS_PER_CTA
+
+    def bad(what: str):
+        raise PlanMismatchError(f"inconsistent DecodePlan: {what}; build plans with plan_decode "
+                                "(a plan edited with dataclasses.replace must keep its fields consistent)")
+
+    B, n, hg = int(plan.batch_size), int(plan.num_chunks), int(plan.heads_groups)
+    if not (B >= 1 and n >= B and plan.num_kv_heads >= 1 and plan.head_dim >= 1 and plan.page_size >= 1):
+        bad(f"batch_size {B}, num_chunks {n}")
+    if (plan.heads_per_cta not in HEADS_PER_CTA or plan.group_size * plan.num_kv_heads != plan.num_qo_heads
+            or plan.q_groups * plan.heads_per_cta != plan.group_size or hg != plan.num_kv_heads * plan.q_groups):
+        bad(f"heads (qo {plan.num_qo_heads}, kv {plan.num_kv_heads}, group {plan.group_size}, per CTA "
+            f"{plan.heads_per_cta}, q_groups {plan.q_groups}, heads_groups {hg}) do not multiply out")
+    if plan.num_ctas != n * hg or tuple(plan.grid) != (n * hg, 1, 1):
+        bad(f"grid {plan.grid} / num_ctas {plan.num_ctas} is not num_chunks * heads_groups = {n * hg}")
+    counts = np.asarray(plan.request_chunks, dtype=np.int64)
+    o = np.asarray(plan.o_indptr, dtype=np.int64)
+    if counts.shape != (B,) or counts.min(initial=1) < 1 or o.shape != (B + 1,) or o[0] != 0 \
+            or not np.array_equal(np.diff(o), counts) or o[-1] != n:
+        bad("o_indptr is not the running sum of request_chunks ending at num_chunks")
+    req = np.repeat(np.arange(B), counts)
+    if not (np.array_equal(plan.chunk_request, req)
+            and np.array_equal(plan.chunk_index, np.arange(n) - o[:-1].repeat(counts))):
+        bad("chunk_request / chunk_index do not enumerate each request's chunks in order")
+    order = np.asarray(plan.launch_order, dtype=np.int64)
+    if order.shape != (n,) or not np.array_equal(np.sort(order), np.arange(n)):
+        bad("launch_order is not a permutation of the chunks")
+    pages = np.asarray(plan.request_chunk_pages, dtype=np.int64)
+    if pages.shape != (B,) or pages.min(initial=1) < 1 or int(pages.max(initial=1)) > plan.pages_per_chunk:
+        bad("request_chunk_pages must be in [1, pages_per_chunk]")
+    if bool(plan.needs_merge) != bool((counts > 1).any()):
+        bad(f"needs_merge={plan.needs_merge} but {'some' if (counts > 1).any() else 'no'} request has several chunks")
+    _SOUND.add(plan)
 
 
 def plan_mismatch_reason(plan, table, limit: int = 3) -> str:

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _configs, _loader
+from . import _configs, _launch, _loader
 from ._arrays import as_cupy as _as_cupy
 from . import _env
 from ._device import require_gpu
 from ._log import log_fallback
-from ._validate import plan_mismatch_reason
+from ._validate import check_plan_structure, plan_mismatch_reason
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
 from .page_table import PageTable
@@ -240,6 +241,7 @@ def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str)
             f"plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype[+kv_dtype]) = {got}, "
             f"the call has {expected}"
         )
+    check_plan_structure(plan)  # once per plan object; plan_decode's own plans pass at once
     if not plan.matches(table):
         raise PlanMismatchError(
             f"stale plan: {plan_mismatch_reason(plan, table)}; build a new one with plan_decode(table, ...)"
@@ -534,12 +536,13 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         # out: [2, 32, 128] float16; lse: [2, 32] float32, log2 units
         ref, ref_lse = cupaged.reference.decode(q, k_cache, v_cache, table)  # float64 check
     """
-    if plan is not None and logits_soft_cap is None and k_scale is None and v_scale is None \
-            and kv_layout == "NHD" and not validate:
-        buf = _plan_buffers.get(plan) if type(plan) is DecodePlan else None
-        hot = None if buf is None else buf.hot
+    if plan is not None and not validate:  # a held plan: the hot path when the call repeats the last one
+        states = _plan_states.get(plan) if type(plan) is DecodePlan else None
+        state = None if states is None else states.last
+        hot = None if state is None else state.hot
         if hot is not None:
-            res = hot.launch(buf, q, k_cache, v_cache, table, method, sm_scale, out, return_lse)
+            res = hot.launch(state, q, k_cache, v_cache, table, method,
+                             (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout), out, return_lse)
             if res is not None:
                 return res
     if method not in METHODS or method == "auto":  # argument errors before the GPU check
@@ -548,6 +551,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     import cupy
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
+    raw_k, raw_v = k_cache, v_cache  # as passed: what the hot path's record compares
     if kv_layout != "NHD":
         k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
     dtype = _check_inputs(q, k_cache, v_cache, table)
@@ -589,27 +593,32 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             _check_core(dtype, head_dim)
             plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype,
                                kv_dtype=None if k_cache.dtype == q.dtype else _configs.FP8)
+            state = plan_state(plan, dtype, table)
         else:
-            try:
-                buf = _plan_buffers.get(plan)
-            except TypeError:  # not weak-referenceable, so not a DecodePlan: _check_plan says so
-                buf = None
-            if buf is None or buf.checked_table is None or buf.checked_table() is not table:
+            states = _plan_states.get(plan) if type(plan) is DecodePlan else None
+            state = None if states is None else states.last
+            if state is None or state.checked_table is None or state.checked_table() is not table:
                 _check_plan(plan, table, q, k_cache, dtype)
-                if buf is None:
+                if state is None:
                     _check_core(dtype, head_dim)
-                plan_buffers(plan, dtype).checked_table = weakref.ref(table)
-            elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != buf.signature:
+            elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != state.signature:
                 _check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
-        buf = plan_buffers(plan, dtype)
-        buf.launch(q, k_cache, v_cache, table, scores, out, lse)
-        # The next call with these shapes, strides, dtypes, device and
-        # arguments may skip the checks above (_HotCall); any other v2 call
-        # with this plan rewrites the slots, so it drops or replaces the record.
-        eligible = (held and kv_layout == "NHD" and logits_soft_cap is None and k_scale is None and v_scale is None
-                    and (sm_scale is None or type(sm_scale) is float) and type(q) is cupy.ndarray
-                    and type(k_cache) is cupy.ndarray and type(v_cache) is cupy.ndarray)
-        buf.hot = _HotCall(q, k_cache, v_cache, table, method, sm_scale, out) if eligible else None
+            state = plan_state(plan, dtype, table)
+        with state.lock:
+            if table is not state.table:
+                state.load_table(plan, table)
+            state.checked_table = weakref.ref(table)
+            state.set_arrays(q, k_cache, v_cache, out, lse)
+            state.set_scores(scores)
+            state.launch(state.units)
+            # The next call with these shapes, strides, dtypes, device, stream
+            # and arguments may skip the checks above (_HotCall); any other v2
+            # call with this plan rewrites the fields, so it drops or replaces
+            # the record.
+            eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
+                        and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray)
+            state.hot = _HotCall(q, raw_k, raw_v, table, method, (sm_scale, logits_soft_cap, k_scale, v_scale,
+                                                                    kv_layout), out) if eligible else None
     return (out, lse) if return_lse else out
 
 
@@ -619,142 +628,72 @@ def _elem_strides(a, ndim: int):
     return tuple(np.int64(s // isz) for s in a.strides[:ndim])
 
 
-@functools.lru_cache(maxsize=64)
-def _f32_bits(x: float) -> int:
-    """A float32 kernel argument as the integer its 4 bytes spell (cached)."""
-    return int(np.float32(x).view(np.uint32))
+class _PlanLaunch(_launch.PartialLaunch):
+    """decode()'s launch state of one plan on one device and stream: a
+    :class:`~cupaged._launch.PartialLaunch` sized for the plan (its page
+    capacity grows with the table), plus what the hot path needs: the last
+    table the plan was checked against (tables are immutable), the shapes it
+    was checked for and the record of the last call (:class:`_HotCall`)."""
 
-
-# Argument slots of paged_decode_partial (cuda_src/paged_decode_partial.cu),
-# in order. Each argument gets one 8-byte slot; 4-byte ones use its low half.
-_V2_ARGS = ("q", "sq_b", "sq_h", "k", "sk_p", "sk_t", "sk_h", "v", "sv_p", "sv_t", "sv_h",
-            "indices", "indptr", "last_page_len", "first_page_offset",
-            "work_units", "o_indptr", "heads_groups", "page_size", "num_qo_heads", "group_size", "q_groups",
-            "scale", "soft_cap", "v_scale", "k_head_scale", "v_head_scale",
-            "partial_v", "partial_lse", "counters", "out", "so_b", "so_h", "lse")
-_SLOT = {name: i for i, name in enumerate(_V2_ARGS)}
-# The slot runs a call rewrites: q, k, v with their strides; the table; the
-# score arguments (ScoreArgs); out, its strides and lse.
-_ARRAYS = slice(_SLOT["q"], _SLOT["sv_h"] + 1)
-_TABLE = slice(_SLOT["indices"], _SLOT["first_page_offset"] + 1)
-_SCORES = slice(_SLOT["scale"], _SLOT["v_head_scale"] + 1)
-_OUT = slice(_SLOT["out"], _SLOT["lse"] + 1)
-_Q, _K, _V, _O, _LSE = (_SLOT[n] for n in ("q", "k", "v", "out", "lse"))
-
-
-def _work_units(plan: DecodePlan) -> np.ndarray:
-    """The kernel's ``work_units`` ``[num_chunks, 4]`` int32 in launch order:
-    ``(request, chunk, page_lo, page_hi)``; a request's last chunk ends at
-    ``request_chunks * chunk_pages`` pages, past the request's pages while
-    ``plan.matches`` holds (the kernel clips it), so the plan serves a grown
-    table."""
-    order = plan.launch_order
-    req = plan.chunk_request[order].astype(np.int64)
-    pages = plan.request_chunk_pages[req].astype(np.int64)
-    lo = plan.chunk_index[order] * pages
-    return np.ascontiguousarray(np.stack([req, order, lo, lo + pages], axis=1).astype(np.int32))
-
-
-class _PlanBuffers:
-    """Per-plan launch state, made on the plan's first launch: device copies of
-    its metadata, the merge workspace and ticket counters (they reset
-    themselves in-kernel), the kernel and its arguments packed once, and the
-    last table the plan was checked against (tables are immutable).
-
-    The launch goes straight to cuLaunchKernel with the packed argument
-    slots: CuPy's RawKernel call re-packs all 30 arguments on every call,
-    which alone costs ~14 us of host time. A call rewrites only the slots of
-    the arrays it was given and the table's pointers."""
-
-    def __init__(self, plan: DecodePlan, dtype: str):
-        import ctypes
-
-        import cupy
-        from cupy_backends.cuda.api import driver
-
-        self.work_units = cupy.asarray(_work_units(plan))
-        self.o_indptr = cupy.asarray(plan.o_indptr, dtype=cupy.int32)
-        self.partial_v = self.partial_lse = self.counters = None
-        if plan.needs_merge:
-            self.partial_v = cupy.empty((plan.num_chunks, plan.num_qo_heads, plan.head_dim), dtype=cupy.float32)
-            self.partial_lse = cupy.empty((plan.num_chunks, plan.num_qo_heads), dtype=cupy.float32)
-            self.counters = cupy.zeros(plan.batch_size * plan.heads_groups, dtype=cupy.int32)
-        self.core = _configs.choose_core(dtype, plan.head_dim, _env.core())
-        self.scores = None  # the ScoreArgs whose values are in the slots
-        index, threads = _configs.partial_instance(dtype, plan.head_dim, plan.heads_per_cta, self.core)
-        self.kernel = _loader.get_kernel("partial", dtype, plan.head_dim, index)
-        self.function = self.kernel.kernel.ptr  # CUfunction on the current device (compiles on first use)
-        self.smem = _configs.dynamic_smem(self.core)
-        if self.smem:  # opt-in: static + dynamic may exceed the default 48 KB
-            driver.funcSetAttribute(self.function, _MAX_DYNAMIC_SMEM_ATTR, self.smem)
-        self.grid = tuple(plan.grid) + (1,) * (3 - len(plan.grid))
-        self.block = (threads, 1, 1)
-        self._head = (self.function, *self.grid, *self.block, self.smem)  # cuLaunchKernel's leading arguments
-
-        self.slots = (ctypes.c_uint64 * len(_V2_ARGS))()
-        base = ctypes.addressof(self.slots)
-        self.params = (ctypes.c_void_p * len(_V2_ARGS))(*(base + 8 * i for i in range(len(_V2_ARGS))))
-        self.params_ptr = ctypes.addressof(self.params)
-        s = self.slots
-        for name, value in (("work_units", self.work_units.data.ptr), ("o_indptr", self.o_indptr.data.ptr),
-                            ("heads_groups", plan.heads_groups), ("page_size", plan.page_size),
-                            ("num_qo_heads", plan.num_qo_heads), ("group_size", plan.group_size),
-                            ("q_groups", plan.q_groups)):
-            s[_SLOT[name]] = int(value)
-        if plan.needs_merge:
-            s[_SLOT["partial_v"]] = self.partial_v.data.ptr
-            s[_SLOT["partial_lse"]] = self.partial_lse.data.ptr
-            s[_SLOT["counters"]] = self.counters.data.ptr
-        self.table = None  # the table whose pointers are in the slots (kept alive while they are)
+    def __init__(self, plan: DecodePlan, dtype: str, table: PageTable, stream_ptr: int):
+        pages = max(int(table.indptr[-1]), 1)
+        super().__init__(dtype, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.heads_per_cta,
+                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4)
+        self.plan_units = _launch.plan_units(plan)
+        self.stream_ptr = stream_ptr
         self.checked_table = None  # weakref to the last table that matched
         self.hot = None  # _HotCall of the last v2 launch, when it may be repeated unchecked
         self.signature = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, dtype)
-        self._current_stream = cupy.cuda.get_current_stream
-        self._launch = driver.launchKernel
 
-    def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int) -> None:
-        """Launches with new array pointers, every other slot as last launched."""
-        s = self.slots
-        s[_Q], s[_K], s[_V], s[_O], s[_LSE] = q, k, v, out, lse
-        self._launch(*self._head, self._current_stream().ptr, self.params_ptr, 0)
-
-    def launch(self, q, k_cache, v_cache, table, scores: ScoreArgs, out, lse) -> None:
-        s = self.slots
-        isz, kvsz = q.itemsize, k_cache.itemsize
-        qs, ks, vs, os_ = q.strides, k_cache.strides, v_cache.strides, out.strides
-        s[_ARRAYS] = (q.data.ptr, qs[0] // isz, qs[1] // isz,
-                   k_cache.data.ptr, ks[0] // kvsz, ks[1] // kvsz, ks[2] // kvsz,
-                   v_cache.data.ptr, vs[0] // kvsz, vs[1] // kvsz, vs[2] // kvsz)
-        if table is not self.table:
-            s[_TABLE] = tuple(a.data.ptr for a in table.device())
-            self.table = table
-        last = self.scores
-        ka, va = scores.k_head_scale, scores.v_head_scale
-        if (last is None or scores.scale != last.scale or scores.soft_cap != last.soft_cap
-                or scores.v_scale != last.v_scale or ka is not last.k_head_scale or va is not last.v_head_scale):
-            s[_SCORES] = (_f32_bits(scores.scale), _f32_bits(scores.soft_cap), _f32_bits(scores.v_scale),
-                          0 if ka is None else ka.data.ptr, 0 if va is None else va.data.ptr)
-            self.scores = scores  # keeps the per-head arrays alive while their pointers are in the slots
-        s[_OUT] = (out.data.ptr, os_[0] // isz, os_[1] // isz, 0 if lse is None else lse.data.ptr)
-        self._launch(*self._head, self._current_stream().ptr, self.params_ptr, 0)
+    def load_table(self, plan: DecodePlan, table: PageTable) -> None:
+        pages = int(table.indptr[-1])
+        if pages > self.max_pages:  # the requests grew past the image: a larger one (not while captured)
+            self.max_pages = pages + pages // 4
+            self._alloc(self.max_batch, self.max_units, self.max_pages, plan.num_qo_heads)
+            p = self.params
+            p.plan, p.partial_v, p.partial_lse, p.merge_counters = (
+                self.image.data.ptr, self.partial_v.data.ptr, self.partial_lse.data.ptr, self.counters.data.ptr)
+        self.load(plan, self.plan_units, table)
 
 
-_MAX_DYNAMIC_SMEM_ATTR = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+class _PlanStates(dict):
+    """A plan's launch states, ``{(device id, stream pointer): _PlanLaunch}``;
+    ``last`` is the one used last (the hot path's guess)."""
 
-_plan_buffers: "weakref.WeakKeyDictionary[DecodePlan, _PlanBuffers]" = weakref.WeakKeyDictionary()
+    last: "_PlanLaunch | None" = None
 
 
-def plan_buffers(plan: DecodePlan, dtype: str | None = None) -> _PlanBuffers:
-    """The plan's launch state. The workspace and counters are reused by every
-    call with this plan: do not run one plan on two streams at once."""
-    buf = _plan_buffers.get(plan)
-    if buf is None:
-        buf = _plan_buffers[plan] = _PlanBuffers(plan, dtype or _plan_variant(plan))
-    return buf
+_plan_states: "weakref.WeakKeyDictionary[DecodePlan, _PlanStates]" = weakref.WeakKeyDictionary()
+_states_lock = threading.Lock()
+
+
+def plan_state(plan: DecodePlan, dtype: str, table: PageTable) -> _PlanLaunch:
+    """The plan's launch state on the current device and stream, made on
+    first use. Each (device, stream) gets its own workspace and image, so
+    one plan may run on several GPUs, or on several streams at once."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    states = _plan_states.get(plan)
+    if states is None:
+        with _states_lock:
+            states = _plan_states.setdefault(plan, _PlanStates())
+    state = states.get(key)
+    if state is None:
+        with _states_lock:
+            state = states.get(key) or states.setdefault(key, _PlanLaunch(plan, dtype, table, key[1]))
+    states.last = state
+    return state
 
 
 _env_method_raw = _env.decode_method_raw  # one dict lookup (os.environ.get costs ~0.7 us unset)
 _NO_ENV = object()  # the record of a call whose method was not "auto"
+
+
+def _same_arg(a, b) -> bool:
+    """The hot path's test that an argument is the recorded one: the same
+    object, or an equal plain float or int (an array must be the same object)."""
+    return a is b or (type(a) in (float, int) and type(a) is type(b) and a == b)
 
 
 class _HotCall:
@@ -762,31 +701,34 @@ class _HotCall:
     same kind (a serving loop: per layer a new q, out and layer cache of the
     same shapes) skips decode's checks: it compares the arrays' types,
     shapes, strides, dtypes and devices, the table's identity, the method
-    (and CUPAGED_DECODE) and sm_scale with the record, tests the new
-    pointers' 16-byte alignment, and launches with only the pointer slots
-    rewritten. Any difference returns None and the full path runs (and
-    records again). Host cost measured by scripts/host_profile.py."""
+    (and CUPAGED_DECODE), sm_scale, the soft cap, the k/v scales and the
+    layout with the record, tests the new pointers' 16-byte alignment, and
+    launches with only the pointer fields rewritten. Any difference returns
+    None and the full path runs (and records again). Host cost measured by
+    scripts/host_profile.py."""
 
-    def __init__(self, q, k, v, table, method: str, sm_scale, out):
+    def __init__(self, q, k, v, table, method: str, args: tuple, out):
         import cupy
 
-        self.table, self.method, self.sm_scale = table, method, sm_scale
+        self.table, self.method, self.args = table, method, args
         self.env = _env_method_raw() if method == "auto" else _NO_ENV
         self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
-        self.get_device = cupy.cuda.runtime.getDevice
+        self.get_device, self.get_stream = cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
         self.device = q.data.device_id
         self.q_meta = (q.shape, q.strides, q.dtype)
-        self.kv_meta = (k.shape, k.strides, k.dtype)
+        self.kv_meta = (k.shape, k.strides, k.dtype)  # as passed (HND: before the NHD view)
         self.v_strides = v.strides
         self.out_strides = out.strides
 
-    def launch(self, buf: "_PlanBuffers", q, k, v, table, method, sm_scale, out, return_lse):
-        """Launches with ``buf`` (whose record this is) and returns decode's
+    def launch(self, state: _PlanLaunch, q, k, v, table, method, args: tuple, out, return_lse):
+        """Launches with ``state`` (whose record this is) and returns decode's
         result, or None (the full path runs)."""
         nd = self.ndarray
-        if (table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd
-                or type(v) is not nd or (sm_scale is not self.sm_scale and (
-                    type(sm_scale) is not float or sm_scale != self.sm_scale))):
+        if table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd \
+                or type(v) is not nd:
+            return None
+        rec = self.args  # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout)
+        if args != rec and not all(map(_same_arg, args, rec)):
             return None
         if self.env is not _NO_ENV and _env_method_raw() != self.env:
             return None
@@ -797,7 +739,8 @@ class _HotCall:
         qp, kp, vp = q.data, k.data, v.data
         device = self.device
         if ((qp.ptr | kp.ptr | vp.ptr) & 15 or qp.device_id != device or kp.device_id != device
-                or vp.device_id != device or self.get_device() != device):
+                or vp.device_id != device or self.get_device() != device
+                or self.get_stream().ptr != state.stream_ptr):
             return None
         if out is None:
             out = self.empty(q_shape, dtype=q.dtype)
@@ -807,7 +750,8 @@ class _HotCall:
               or out.strides != self.out_strides or out.data.device_id != device):
             return None
         lse = self.empty(q_shape[:2], dtype=self.float32) if return_lse else None
-        buf.launch_pointers(qp.ptr, kp.ptr, vp.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr)
+        with state.lock:
+            state.launch_pointers(qp.ptr, kp.ptr, vp.ptr, out.data.ptr, None if lse is None else lse.data.ptr)
         return (out, lse) if return_lse else out
 
 

@@ -15,18 +15,23 @@ import numpy as np
 
 from .page_table import PageTable
 
-_index_cache: "weakref.WeakKeyDictionary[PageTable, tuple]" = weakref.WeakKeyDictionary()
+# table -> {device id: (page, slot, valid)}: one copy per device (issue 17: a
+# table used on two GPUs must not hand GPU 0's arrays to GPU 1)
+_index_cache: "weakref.WeakKeyDictionary[PageTable, dict]" = weakref.WeakKeyDictionary()
 
 
 def token_index(table: PageTable):
     """``(page [B, L], slot [B, L], valid [B, L])`` device arrays locating each
     request's visible tokens (L = longest request; padding points at physical
     page 0, slot 0, and is masked and zeroed before use). Computed once per
-    table, on the device current at that first call."""
-    cached = _index_cache.get(table)
+    table and device, on the current device."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    per_device = _index_cache.setdefault(table, {})
+    cached = per_device.get(device)
     if cached is not None:
         return cached
-    import cupy
 
     seq_lens = table.seq_lens
     batch = table.batch_size
@@ -41,8 +46,7 @@ def token_index(table: PageTable):
     slot = np.where(valid, pos % table.page_size, 0)
     cached = (cupy.asarray(page.reshape(batch, max_len)), cupy.asarray(slot.reshape(batch, max_len)),
               cupy.asarray(valid.reshape(batch, max_len)))
-    _index_cache[table] = cached
-    return cached
+    return per_device.setdefault(device, cached)  # a racing thread's copy wins or loses whole
 
 
 _E4M3_LUT = {}  # device id -> float32 [256]: the value of every e4m3 bit pattern

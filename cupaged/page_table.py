@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -46,6 +47,7 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Device segments start on 16-byte boundaries so a kernel may use vector loads.
 _DEVICE_ALIGN_ELEMS = 4
+_UPLOAD_LOCK = threading.Lock()
 
 
 class DeviceTable(NamedTuple):
@@ -495,9 +497,18 @@ class PageTable:
             dev = cupy.cuda.runtime.getDevice()
         except cupy.cuda.runtime.CUDARuntimeError:
             raise NoGPUError(no_gpu_message("PageTable.device()")) from None
-        cached = self._device
-        if cached is not None and cached[0] == dev:
-            return cached[1]
+        cached = self._device  # {device id: DeviceTable}, made on the first upload
+        table = None if cached is None else cached.get(dev)
+        if table is not None:
+            return table
+        with _UPLOAD_LOCK:  # one upload per (table, device): a second would free a buffer in use
+            if self._device is None:
+                self._device = {}
+            return self._device.get(dev) or self._device.setdefault(dev, self._upload())
+
+    def _upload(self) -> DeviceTable:
+        import cupy
+
         parts = (self.indices, self.indptr, self.last_page_len, self.first_page_offset)
         a = _DEVICE_ALIGN_ELEMS
         starts, total = [], 0
@@ -508,11 +519,7 @@ class PageTable:
         for s, p in zip(starts, parts):
             host[s : s + p.shape[0]] = p
         buf = cupy.asarray(host)
-        table = DeviceTable(
-            *(buf[s : s + p.shape[0]] for s, p in zip(starts, parts))
-        )
-        self._device = (dev, table)
-        return table
+        return DeviceTable(*(buf[s : s + p.shape[0]] for s, p in zip(starts, parts)))
 
     # -- construction helpers ----------------------------------------------
 

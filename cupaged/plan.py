@@ -25,7 +25,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with np.dtype)
 import numpy as np
 
-from . import _configs, _env, schedule
+from . import _configs, _env, _validate, schedule
 from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
 
 __all__ = [
@@ -773,7 +773,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     o_indptr, chunk_request, chunk_index, req_chunks, chunk_pages, launch_order = (
         _frozen_int32(a) for a in (o_indptr, chunk_request, chunk_index, req_chunks, chunk_pages, launch_order))
 
-    return DecodePlan(
+    plan = DecodePlan(
         batch_size=batch,
         num_qo_heads=hq,
         num_kv_heads=hkv,
@@ -800,3 +800,5 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         kv_dtype=kv_dt,
         deterministic=bool(deterministic),
     )
+    _validate.trust_plan(plan)  # consistent by construction: decode skips its structural check
+    return plan

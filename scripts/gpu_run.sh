@@ -2,7 +2,7 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
-#        check ragged ragged_bench sweep sweep8 ab
+#        check ragged ragged_bench sweep sweep8 occupancy ab
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench, .nbpeer for notebook and .ab for ab;
 #  keep one call under 10 minutes)
@@ -36,6 +36,8 @@ steps:
   ragged_bench  the ragged-batch family against FlashInfer (fp16, bf16, fp8)
   sweep       chunk sweep of the ragged family, fp16 (the planner check)
   sweep8      chunk sweep of the ragged family, fp8 (every second cap)
+  occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
+              instances (driver occupancy API) against the planner's
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
               and of this tree on uniform cells, two interleaved rounds
 EOF
@@ -74,7 +76,7 @@ for s in $steps; do case $s in
   cascade) run cascade_bench 200 "$peer python3 scripts/cascade_bench.py --out-dir $work/cascade" ;;
   fp8) run microbench_fp8 230 "$peer python3 scripts/microbench.py --kv-dtype fp8 --batch 1 8 32 128 --ctx 1024 32768 --out-dir $work/fp8" ;;
   soak) run soak 140 "python3 scripts/soak.py --backend gpu --json $work/soak.json" ;;
-  notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" # set CUPAGED_COMMIT for the stamp ;;
+  notebook) run notebook 150 "if [ -f .nbpeer/activate.sh ]; then source .nbpeer/activate.sh; fi; python3 scripts/run_notebook.py examples/quickstart.ipynb $work/quickstart.ipynb --timeout 240 --no-skips" ;;  # set CUPAGED_COMMIT for the stamp
   check) run correctness 150 "python3 scripts/correctness.py --csv $work/correctness.csv"
          run correctness_merge 150 "python3 scripts/correctness.py --force-merge --csv $work/correctness_merge.csv" ;;
   ragged) run correctness_ragged 90 "python3 scripts/correctness.py --ragged --csv $work/correctness_ragged.csv"
@@ -82,7 +84,8 @@ for s in $steps; do case $s in
           run memcheck_ragged 110 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'ragged'" ;;
   ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
-  sweep8) run sweep_ragged8 150 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --csv $work/sweep_ragged8.csv" ;;
+  sweep8) run sweep_ragged8 330 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --rounds ${SWEEP_ROUNDS:-2} --csv $work/sweep_ragged8.csv" ;;
+  occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in 1 2; do
         run ab_old$r 150 "PYTHONPATH=$PWD/.ab/old python3 .ab/old/scripts/ab_trees.py --label old --cells $cells --csv $work/ab_old$r.csv"

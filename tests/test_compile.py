@@ -101,6 +101,10 @@ def test_contract_comment_names_every_pointer():
         text = (_loader.SRC_DIR / fname).read_text()
         header, _, body = text.partition("#include")
         sig = body[body.index("__global__"):body.index("{", body.index("__global__"))]
+        struct = re.search(r"__grid_constant__\s+(\w+)", sig)
+        if struct:  # one parameter struct: its pointer fields
+            fields = body[body.index(f"struct {struct.group(1)} {{"):]
+            sig = fields[:fields.index("};")].replace(";", ",")
         pointers = re.findall(r"\*\s*(?:__restrict__\s*)?(\w+)\s*[,)]", sig)
         assert pointers, family
         for name in pointers:

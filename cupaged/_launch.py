@@ -1,0 +1,221 @@
+"""Launch state of the split-KV partial kernel, shared by :func:`cupaged.decode`
+and :class:`cupaged.DecodeRunner`.
+
+* :class:`PartialParams` mirrors the kernel's one ``__grid_constant__``
+  parameter struct (cuda_src/paged_decode_partial.cu ``PartialParams``) field
+  for field; tests/test_launch_params.py compares its offsets with NVRTC's.
+* The **plan image** is one int32 array holding a plan's work units and a
+  page table (layout in the kernel's header comment and :func:`write_image`).
+  A new table or plan is one host-to-device copy from pinned memory into a
+  buffer whose address never changes, so a CUDA graph captured once replays
+  every later plan that fits the buffer.
+* :class:`PartialLaunch` owns, for one device and one stream, the compiled
+  function, the image buffer, the merge workspace and counters, and the
+  packed parameters; a launch rewrites only the fields that changed.
+
+No check happens here: callers validate their arguments first.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from . import _configs, _env, _loader
+
+_P, _LL, _I, _F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+
+
+class PartialParams(ctypes.Structure):
+    """The partial kernel's parameters (``PartialParams`` in
+    cuda_src/paged_decode_partial.cu), in the same order and C layout."""
+
+    _fields_ = [
+        ("q", _P), ("stride_q_batch", _LL), ("stride_q_head", _LL),
+        ("k_cache", _P), ("stride_k_page", _LL), ("stride_k_token", _LL), ("stride_k_head", _LL),
+        ("v_cache", _P), ("stride_v_page", _LL), ("stride_v_token", _LL), ("stride_v_head", _LL),
+        ("plan", _P), ("k_head_scale", _P), ("v_head_scale", _P),
+        ("partial_v", _P), ("partial_lse", _P), ("merge_counters", _P),
+        ("final_out", _P), ("stride_o_batch", _LL), ("stride_o_head", _LL), ("final_lse", _P),
+        ("heads_groups", _I), ("page_size", _I), ("num_qo_heads", _I), ("group_size", _I), ("q_groups", _I),
+        ("scale", _F), ("soft_cap", _F), ("v_scale", _F),
+    ]
+
+
+# ------------------------------------------------------------------ the plan image
+HEADER = 8  # int32: {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, 0}
+
+
+def image_capacity(max_batch: int, max_units: int, max_pages: int) -> int:
+    """int32 elements of an image that holds any plan and table within these capacities."""
+    return HEADER + 4 * max_units + 4 * max_batch + 2 + max_pages
+
+
+def plan_units(plan) -> np.ndarray:
+    """The plan's work units ``[num_chunks, 4]`` int32 in launch order:
+    ``(request, chunk, page_lo, page_hi)``; a request's last chunk ends at
+    ``request_chunks * chunk_pages`` pages, past the request's pages while
+    ``plan.matches`` holds (the kernel clips it), so the plan serves a grown
+    table."""
+    order = plan.launch_order
+    req = plan.chunk_request[order].astype(np.int64)
+    pages = plan.request_chunk_pages[req].astype(np.int64)
+    lo = plan.chunk_index[order] * pages
+    return np.ascontiguousarray(np.stack([req, order, lo, lo + pages], axis=1).astype(np.int32))
+
+
+def write_image(dst: np.ndarray, units: np.ndarray, plan, table) -> int:
+    """Writes the image of (``units`` of ``plan``, ``table``) into the int32
+    array ``dst``, which must hold ``image_size``; returns the elements
+    written. Layout: the header, the units, then ``o_indptr [B+1]``,
+    ``indptr [B+1]``, ``last_page_len [B]``, ``first_page_offset [B]``,
+    ``indices [nnz]``; the header's entries 1-5 are their offsets."""
+    batch, n = plan.batch_size, units.shape[0]
+    parts = (plan.o_indptr, table.indptr, table.last_page_len, table.first_page_offset, table.indices)
+    at = HEADER + 4 * n
+    dst[HEADER:at] = units.reshape(-1)
+    header = [n]
+    for part in parts:
+        header.append(at)
+        end = at + part.shape[0]
+        dst[at:end] = part
+        at = end
+    header += [batch, 0]
+    dst[:HEADER] = header
+    return at
+
+
+def image_size(units: int, batch: int, pages: int) -> int:
+    return HEADER + 4 * units + 4 * batch + 2 + pages
+
+
+# ------------------------------------------------------------------ launch state
+
+
+class PartialLaunch:
+    """One device's and one stream's launch state of the partial kernel for
+    one shape (heads, head_dim, dtype pair, heads per CTA), sized for
+    ``max_batch`` requests, ``max_units`` work units and ``max_pages`` page
+    ids. The buffers are made once; :meth:`load` writes a plan and table into
+    the image (one async copy from pinned memory on the current stream),
+    :meth:`launch` launches ``units * heads_groups`` CTAs.
+
+    Not for two streams at once (the image, workspace and counters are
+    shared by its launches, in stream order); :attr:`lock` serializes
+    threads."""
+
+    def __init__(self, variant: str, num_qo_heads: int, num_kv_heads: int, head_dim: int, heads_per_cta: int,
+                 page_size: int, max_batch: int, max_units: int, max_pages: int):
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        self.lock = threading.RLock()
+        self.device = cupy.cuda.runtime.getDevice()
+        self.variant, self.head_dim = variant, head_dim
+        group = num_qo_heads // num_kv_heads
+        q_groups = group // heads_per_cta
+        self.heads_groups = num_kv_heads * q_groups
+        self.max_batch, self.max_units, self.max_pages = max_batch, max_units, max_pages
+        self.core = _configs.choose_core(variant, head_dim, _env.core())
+        index, threads = _configs.partial_instance(variant, head_dim, heads_per_cta, self.core)
+        self.kernel = _loader.get_kernel("partial", variant, head_dim, index)
+        self.function = self.kernel.kernel.ptr  # CUfunction on this device (compiles on first use)
+        self.smem = _configs.dynamic_smem(self.core)
+        if self.smem:  # opt-in: static + dynamic may exceed the default 48 KB
+            driver.funcSetAttribute(self.function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
+        self.block = threads
+        self._alloc(max_batch, max_units, max_pages, num_qo_heads)
+        p = self.params = PartialParams()
+        p.heads_groups, p.page_size, p.num_qo_heads, p.group_size, p.q_groups = (
+            self.heads_groups, page_size, num_qo_heads, group, q_groups)
+        p.plan = self.image.data.ptr
+        p.partial_v, p.partial_lse, p.merge_counters = (
+            self.partial_v.data.ptr, self.partial_lse.data.ptr, self.counters.data.ptr)
+        self._arg = (ctypes.c_void_p * 1)(ctypes.addressof(p))
+        self.params_ptr = ctypes.addressof(self._arg)
+        self.scores = None  # the ScoreArgs whose values are in the parameters (keeps their arrays alive)
+        self.table = self.plan = None  # what the image holds (kept alive while it does)
+        self.units = None  # the image's unit count
+        self._current_stream = cupy.cuda.get_current_stream
+        self._launch = driver.launchKernel
+        self._memcpy = cupy.cuda.runtime.memcpyAsync
+
+    def _alloc(self, max_batch: int, max_units: int, max_pages: int, num_qo_heads: int) -> None:
+        import cupy
+
+        size = image_capacity(max_batch, max_units, max_pages)
+        self.image = cupy.zeros(size, dtype=cupy.int32)
+        # two pinned staging images: one may still be in flight while the other is written
+        self._staging = [np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), np.int32, size) for _ in range(2)]
+        self._events = [None, None]
+        self._turn = 0
+        self.partial_v = cupy.empty((max(max_units, 1), num_qo_heads, self.head_dim), dtype=cupy.float32)
+        self.partial_lse = cupy.empty((max(max_units, 1), num_qo_heads), dtype=cupy.float32)
+        self.counters = cupy.zeros(max(max_batch, 1) * self.heads_groups, dtype=cupy.int32)
+
+    def fits(self, batch: int, units: int, pages: int) -> bool:
+        return batch <= self.max_batch and units <= self.max_units and pages <= self.max_pages
+
+    def load(self, plan, units: np.ndarray, table) -> None:
+        """Writes (plan, table) into the image: one host-to-device copy on the
+        current stream, ordered before the next launch on it."""
+        import cupy
+
+        i = self._turn
+        self._turn ^= 1
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()  # the copy that last read this staging image is done (it nearly always is)
+        staging = self._staging[i]
+        n = write_image(staging, units, plan, table)
+        stream = self._current_stream()
+        self._memcpy(self.image.data.ptr, staging.ctypes.data, 4 * n, 1, stream.ptr)  # 1: host to device
+        if event is None:
+            event = self._events[i] = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        self.plan, self.table, self.units = plan, table, units.shape[0]
+
+    def set_arrays(self, q, k, v, out, lse, kv_strides=None) -> None:
+        """Pointers and strides of q, the caches (NHD element strides, or
+        ``kv_strides`` = (k's, v's) when given), out and lse."""
+        p = self.params
+        isz = q.itemsize
+        qs, os_ = q.strides, out.strides
+        p.q, p.stride_q_batch, p.stride_q_head = q.data.ptr, qs[0] // isz, qs[1] // isz
+        if kv_strides is None:
+            kvsz = k.itemsize
+            ks, vs = k.strides, v.strides
+            kv_strides = ((ks[0] // kvsz, ks[1] // kvsz, ks[2] // kvsz), (vs[0] // kvsz, vs[1] // kvsz, vs[2] // kvsz))
+        (p.stride_k_page, p.stride_k_token, p.stride_k_head), (p.stride_v_page, p.stride_v_token,
+                                                               p.stride_v_head) = kv_strides
+        p.k_cache, p.v_cache = k.data.ptr, v.data.ptr
+        p.final_out, p.stride_o_batch, p.stride_o_head = out.data.ptr, os_[0] // isz, os_[1] // isz
+        p.final_lse = None if lse is None else lse.data.ptr
+
+    def set_scores(self, scores) -> None:
+        last = self.scores
+        if (last is not None and last.scale == scores.scale and last.soft_cap == scores.soft_cap
+                and last.v_scale == scores.v_scale and last.k_head_scale is scores.k_head_scale
+                and last.v_head_scale is scores.v_head_scale):
+            return
+        p = self.params
+        p.scale, p.soft_cap, p.v_scale = scores.scale, scores.soft_cap, scores.v_scale
+        ka, va = scores.k_head_scale, scores.v_head_scale
+        p.k_head_scale = None if ka is None else ka.data.ptr
+        p.v_head_scale = None if va is None else va.data.ptr
+        self.scores = scores
+
+    def launch(self, units: int) -> None:
+        """Launches ``units * heads_groups`` CTAs on the current stream with
+        the parameters as set."""
+        self._launch(self.function, units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem,
+                     self._current_stream().ptr, self.params_ptr, 0)
+
+    def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int | None) -> None:
+        """Launches the image's units with new array pointers, everything else as last set."""
+        p = self.params
+        p.q, p.k_cache, p.v_cache, p.final_out, p.final_lse = q, k, v, out, lse
+        self._launch(self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem,
+                     self._current_stream().ptr, self.params_ptr, 0)

@@ -1,0 +1,108 @@
+"""The ctypes mirror of the partial kernel's parameter struct has NVRTC's
+layout (cupaged/_launch.py PartialParams vs cuda_src PartialParams), and the
+plan image holds what the kernel's header comment says. CPU only: NVRTC
+compiles without a GPU."""
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _launch, _loader
+
+
+def _probe_source() -> str:
+    """A kernel that stores sizeof(PartialParams) and each field's offset, in
+    ctypes field order; NVRTC folds them to constants in its PTX."""
+    names = [n for n, _ in _launch.PartialParams._fields_]
+    body = "\n".join(f"  out[{i + 1}] = reinterpret_cast<const char*>(&p->{n}) - base;" for i, n in enumerate(names))
+    return f"""
+extern "C" __global__ void cupaged_layout_probe(const cupaged::PartialParams* p, long long* out) {{
+  const char* base = reinterpret_cast<const char*>(p);
+  out[0] = sizeof(cupaged::PartialParams);
+{body}
+}}"""
+
+
+def _nvrtc_layout() -> list[int]:
+    """[sizeof, offsets...] of cuda_src's PartialParams as NVRTC lays it out."""
+    import re
+
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(_loader.module_source("partial") + _probe_source(), "layout.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*_loader.OPTIONS, "-arch=compute_90"])
+        ptx = nvrtc.getPTX(prog).decode()
+    finally:
+        nvrtc.destroyProgram(prog)
+    probe = ptx[ptx.index(".entry cupaged_layout_probe"):]
+    consts = dict(re.findall(r"mov\.[ub]64\s+(%rd\d+),\s*(\d+);", probe))
+    stores = re.findall(r"st\.global\.[ub]64\s+\[%rd\d+(?:\+(\d+))?\],\s*(%rd\d+|\d+);", probe)
+    values = {int(off or 0) // 8: int(consts.get(v, v)) for off, v in stores}
+    return [values[i] for i in range(len(values))]
+
+
+def test_ctypes_struct_matches_nvrtc_layout():
+    pytest.importorskip("cupy")
+    P = _launch.PartialParams
+    mirror = [ctypes.sizeof(P)] + [getattr(P, n).offset for n, _ in P._fields_]
+    assert _nvrtc_layout() == mirror
+
+
+def test_layout_probe_reads_the_real_layout():
+    # the probe sees a change of the CUDA struct: the check can fail
+    pytest.importorskip("cupy")
+    src = _loader.module_source("partial")
+    swapped = src.replace("  const float* k_head_scale;\n  const float* v_head_scale;\n",
+                          "  int padding_probe;\n  const float* k_head_scale;\n  const float* v_head_scale;\n")
+    assert swapped != src
+    real = _loader.module_source
+    try:
+        _loader.module_source = lambda family: swapped
+        layout = _nvrtc_layout()
+    finally:
+        _loader.module_source = real
+    P = _launch.PartialParams
+    assert layout[0] == ctypes.sizeof(P) + 8
+    assert layout[1 + [n for n, _ in P._fields_].index("k_head_scale")] == P.k_head_scale.offset + 8
+
+
+def test_every_struct_field_is_mirrored():
+    # the CUDA struct's field names, in order, are the ctypes fields
+    import re
+
+    src = (_loader.SRC_DIR / "paged_decode_partial.cu").read_text()
+    body = src[src.index("struct PartialParams {"):]
+    body = body[:body.index("};")]
+    names = []
+    for decl in re.findall(r"^\s+[^/\n][^;]*;", body, flags=re.M):
+        decl = decl.split("//")[0].strip().rstrip(";")
+        names += [part.strip().lstrip("*").split()[-1].lstrip("*") for part in decl.split(",")]
+    assert names == [n for n, _ in _launch.PartialParams._fields_]
+
+
+def test_plan_image_layout():
+    table = cupaged.PageTable.from_seq_lens([700, 33, 0], page_size=16)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=4)
+    units = _launch.plan_units(plan)
+    size = _launch.image_size(plan.num_chunks, plan.batch_size, int(table.indptr[-1]))
+    dst = np.full(size + 5, -7, dtype=np.int32)
+    n = _launch.write_image(dst, units, plan, table)
+    assert n == size and (dst[n:] == -7).all()
+    num_units, o_off, indptr_off, last_off, first_off, idx_off, batch, _ = dst[:_launch.HEADER].tolist()
+    assert (num_units, batch) == (plan.num_chunks, 3)
+    B = plan.batch_size
+    assert dst[o_off:o_off + B + 1].tolist() == plan.o_indptr.tolist()
+    assert dst[indptr_off:indptr_off + B + 1].tolist() == table.indptr.tolist()
+    assert dst[last_off:last_off + B].tolist() == table.last_page_len.tolist()
+    assert dst[first_off:first_off + B].tolist() == table.first_page_offset.tolist()
+    assert dst[idx_off:idx_off + len(table.indices)].tolist() == table.indices.tolist()
+    got = dst[_launch.HEADER:_launch.HEADER + 4 * num_units].reshape(-1, 4)
+    # every chunk once, each covering its request's pages [j*c, (j+1)*c) in launch order
+    assert sorted(got[:, 1].tolist()) == list(range(plan.num_chunks))
+    for r, c, lo, hi in got.tolist():
+        j = c - plan.o_indptr[r]
+        assert plan.chunk_request[c] == r and lo == j * 4 and hi == lo + 4
+    assert _launch.image_capacity(B, plan.num_chunks, int(table.indptr[-1])) >= size
