@@ -41,6 +41,11 @@
 //   indices [indptr[batch]], indptr [batch + 1], last_page_len [batch],
 //   first_page_offset [batch]: int32, the page table (PageTable.device())
 //   append_indptr [batch + 1] int32, non-decreasing, from 0 to num_tokens; or null
+//   device_batch  [1] int32: the batch size, read on the device (it overrides
+//                 batch; with append_indptr null, tokens t >= batch write
+//                 nothing), or null (batch as passed). A DecodeRunner passes
+//                 its plan image's batch entry, so that a graph launching
+//                 max_batch tokens serves every later step.
 //   k_scale_per_head, v_scale_per_head  [num_kv_heads] float32, or null
 // Preconditions: head_dim % ELEMS == 0; every pointer and every byte stride
 // (stride * sizeof) a multiple of 16; a valid table whose page ids index the
@@ -145,7 +150,7 @@ __global__ void __launch_bounds__(APPEND_THREADS) append_kv(
     CACHE_T* __restrict__ v_cache, long long stride_v_page, long long stride_v_slot, long long stride_v_head,
     const int* __restrict__ indices, const int* __restrict__ indptr, const int* __restrict__ last_page_len,
     const int* __restrict__ first_page_offset, const int* __restrict__ append_indptr, int batch,
-    int num_tokens, int num_kv_heads, int head_dim, int page_size,
+    const int* __restrict__ device_batch, int num_tokens, int num_kv_heads, int head_dim, int page_size,
     const float* __restrict__ k_scale_per_head, const float* __restrict__ v_scale_per_head, float k_scale,
     float v_scale) {
   using Chunk = AppendChunk<IN_T, CACHE_T>;
@@ -159,6 +164,11 @@ __global__ void __launch_bounds__(APPEND_THREADS) append_kv(
   const int h = rest / chunks;
   const int d = (rest - h * chunks) * Chunk::ELEMS;
 
+  // A graph replayed for several batches reads the batch from the device.
+  if (device_batch != nullptr) {
+    batch = __ldg(device_batch);
+    if (append_indptr == nullptr && t >= batch) return;  // past this step's requests
+  }
   // token -> (request i, its n_i new tokens, index j among them)
   int i = t, n = 1, j = 0;
   if (append_indptr != nullptr) {

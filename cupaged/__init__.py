@@ -16,6 +16,7 @@ from .cascade import CascadePlan, cascade_decode, plan_cascade
 from .decode import METHODS, Selection, decode, select_method
 from .errors import (
     ArgumentTypeError,
+    CapacityError,
     CupagedError,
     DeviceMismatchError,
     DTypeError,
@@ -34,15 +35,18 @@ from .merge import merge_states
 from .page_table import DeviceTable, PageTable, build_page_table
 from .plan import DecodePlan, plan_decode
 from .pool import BlockPool, PageCopy, SequenceState, apply_page_copies
+from .runner import DecodeRunner
 
 
 __all__ = [
     "ArgumentTypeError",
     "BlockPool",
+    "CapacityError",
     "CascadePlan",
     "CupagedError",
     "DTypeError",
     "DecodePlan",
+    "DecodeRunner",
     "DeviceMismatchError",
     "DeviceTable",
     "InvalidArgumentError",

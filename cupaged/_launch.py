@@ -66,29 +66,30 @@ def plan_units(plan) -> np.ndarray:
     return np.ascontiguousarray(np.stack([req, order, lo, lo + pages], axis=1).astype(np.int32))
 
 
-def write_image(dst: np.ndarray, units: np.ndarray, plan, table) -> int:
+def image_offsets(max_batch: int, max_units: int) -> tuple[int, int, int, int, int]:
+    """Offsets (int32 elements) of ``o_indptr``, ``indptr``, ``last_page_len``,
+    ``first_page_offset`` and ``indices`` in an image of these capacities:
+    fixed, so kernels that take the table as plain pointers (append_kv) can
+    be captured in a graph that outlives one table."""
+    o = HEADER + 4 * max_units
+    indptr = o + max_batch + 1
+    last = indptr + max_batch + 1
+    first = last + max_batch
+    return o, indptr, last, first, first + max_batch
+
+
+def write_image(dst: np.ndarray, offsets: tuple, units: np.ndarray, plan, table) -> int:
     """Writes the image of (``units`` of ``plan``, ``table``) into the int32
-    array ``dst``, which must hold ``image_size``; returns the elements
-    written. Layout: the header, the units, then ``o_indptr [B+1]``,
-    ``indptr [B+1]``, ``last_page_len [B]``, ``first_page_offset [B]``,
-    ``indices [nnz]``; the header's entries 1-5 are their offsets."""
-    batch, n = plan.batch_size, units.shape[0]
+    array ``dst`` at ``offsets`` (:func:`image_offsets`); returns the
+    elements up to the end of the indices (the span to copy). The header
+    holds ``num_units``, the five offsets and the batch size."""
+    n = units.shape[0]
+    dst[HEADER:HEADER + 4 * n] = units.reshape(-1)
     parts = (plan.o_indptr, table.indptr, table.last_page_len, table.first_page_offset, table.indices)
-    at = HEADER + 4 * n
-    dst[HEADER:at] = units.reshape(-1)
-    header = [n]
-    for part in parts:
-        header.append(at)
-        end = at + part.shape[0]
-        dst[at:end] = part
-        at = end
-    header += [batch, 0]
-    dst[:HEADER] = header
-    return at
-
-
-def image_size(units: int, batch: int, pages: int) -> int:
-    return HEADER + 4 * units + 4 * batch + 2 + pages
+    for at, part in zip(offsets, parts):
+        dst[at:at + part.shape[0]] = part
+    dst[:HEADER] = (n, *offsets, plan.batch_size, 0)
+    return offsets[-1] + table.indices.shape[0]
 
 
 # ------------------------------------------------------------------ launch state
@@ -146,6 +147,7 @@ class PartialLaunch:
         import cupy
 
         size = image_capacity(max_batch, max_units, max_pages)
+        self.offsets = image_offsets(max_batch, max_units)
         self.image = cupy.zeros(size, dtype=cupy.int32)
         # two pinned staging images: one may still be in flight while the other is written
         self._staging = [np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), np.int32, size) for _ in range(2)]
@@ -169,7 +171,7 @@ class PartialLaunch:
         if event is not None:
             event.synchronize()  # the copy that last read this staging image is done (it nearly always is)
         staging = self._staging[i]
-        n = write_image(staging, units, plan, table)
+        n = write_image(staging, self.offsets, units, plan, table)
         stream = self._current_stream()
         self._memcpy(self.image.data.ptr, staging.ctypes.data, 4 * n, 1, stream.ptr)  # 1: host to device
         if event is None:

@@ -451,7 +451,12 @@ def _per_head(scale, num_kv_heads: int):
     return scale if scale.flags.c_contiguous else scale.copy()
 
 
-def _launch_append(k_new, v_new, k_cache, v_cache, table: PageTable, kv_layout: str, launch: _Launch) -> None:
+def _launch_append(k_new, v_new, k_cache, v_cache, table: PageTable, kv_layout: str, launch: _Launch,
+                   image: tuple | None = None) -> None:
+    """Launches append_kv. ``image``: ``(table pointers (indices, indptr,
+    last_page_len, first_page_offset), device batch pointer, tokens)`` of a
+    DecodeRunner's plan image, in place of ``table.device()`` and the
+    table's batch (a graph captured once, replayed for other tables)."""
     import cupy
 
     cache_axes = (0, 1, 2) if kv_layout == "NHD" else (0, 2, 1)  # (page, slot, head)
@@ -461,13 +466,16 @@ def _launch_append(k_new, v_new, k_cache, v_cache, table: PageTable, kv_layout: 
     num_kv_heads = k_new.shape[1]
     k_scale, v_scale = (_per_head(s, num_kv_heads) for s in (launch.k_scale, launch.v_scale))
     kernel = _loader.get_kernel("append", launch.dtype, _configs.APPEND_ANY_HEAD_DIM, launch.instance)
-    items = launch.num_tokens * num_kv_heads * launch.chunks
+    tokens, table_args, device_batch = launch.num_tokens, table.device() if image is None else image[0], _NULL
+    if image is not None:
+        device_batch, tokens = np.uint64(image[1]), image[2]
+    items = tokens * num_kv_heads * launch.chunks
     kernel(
         (-(-items // _THREADS), 1, 1), (_THREADS, 1, 1),
         (k_new, *_elem_strides(k_new, (0, 1)), v_new, *_elem_strides(v_new, (0, 1)),
          k_cache, *_elem_strides(k_cache, cache_axes), v_cache, *_elem_strides(v_cache, cache_axes),
-         *table.device(), _NULL if append_indptr is None else append_indptr, np.int32(table.batch_size),
-         np.int32(launch.num_tokens), np.int32(num_kv_heads), np.int32(k_new.shape[2]), np.int32(table.page_size),
+         *table_args, _NULL if append_indptr is None else append_indptr, np.int32(table.batch_size),
+         device_batch, np.int32(tokens), np.int32(num_kv_heads), np.int32(k_new.shape[2]), np.int32(table.page_size),
          _NULL if isinstance(k_scale, float) else k_scale, _NULL if isinstance(v_scale, float) else v_scale,
          np.float32(k_scale if isinstance(k_scale, float) else 1.0),
          np.float32(v_scale if isinstance(v_scale, float) else 1.0)),

@@ -71,6 +71,11 @@ class UnsupportedConfigError(InvalidArgumentError):
     merge kernel."""
 
 
+class CapacityError(InvalidArgumentError):
+    """A table or plan larger than a :class:`~cupaged.DecodeRunner`'s fixed
+    capacities (``max_batch``, ``max_pages``, ``max_units``)."""
+
+
 class PageTableError(CupagedError, ValueError):
     """A page table breaks a rule of the CSR view; the message names the
     request (when one is at fault) and the rule."""

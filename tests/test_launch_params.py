@@ -87,9 +87,10 @@ def test_plan_image_layout():
     table = cupaged.PageTable.from_seq_lens([700, 33, 0], page_size=16)
     plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=4)
     units = _launch.plan_units(plan)
-    size = _launch.image_size(plan.num_chunks, plan.batch_size, int(table.indptr[-1]))
+    size = _launch.image_capacity(plan.batch_size + 2, plan.num_chunks + 3, int(table.indptr[-1]))
+    offsets = _launch.image_offsets(plan.batch_size + 2, plan.num_chunks + 3)
     dst = np.full(size + 5, -7, dtype=np.int32)
-    n = _launch.write_image(dst, units, plan, table)
+    n = _launch.write_image(dst, offsets, units, plan, table)
     assert n == size and (dst[n:] == -7).all()
     num_units, o_off, indptr_off, last_off, first_off, idx_off, batch, _ = dst[:_launch.HEADER].tolist()
     assert (num_units, batch) == (plan.num_chunks, 3)
@@ -105,4 +106,3 @@ def test_plan_image_layout():
     for r, c, lo, hi in got.tolist():
         j = c - plan.o_indptr[r]
         assert plan.chunk_request[c] == r and lo == j * 4 and hi == lo + 4
-    assert _launch.image_capacity(B, plan.num_chunks, int(table.indptr[-1])) >= size

@@ -1,0 +1,298 @@
+"""DecodeRunner: the serving runtime's launch object, one per device and stream.
+
+A server calls decode once per layer per step, requests join and leave every
+step, and the whole step is best captured once as a CUDA graph and replayed.
+A :class:`DecodeRunner` owns fixed-capacity device buffers (the plan image:
+work units and page table; the merge workspace; the ticket counters), the
+compiled kernel and its packed parameters:
+
+* :meth:`DecodeRunner.plan` plans a table (or takes a plan) and writes it
+  into the image with one async copy from pinned memory: no allocation, and
+  the image's address never changes;
+* :meth:`DecodeRunner.run` launches. Outside a graph capture it launches the
+  CTAs of the current plan; while its stream is capturing it launches the
+  capacity grid, whose CTAs past the current plan exit at once (about 0.6 ns
+  of GPU time each on the H200, docs/benchmarks/empty-grid-h200-2026-12-01.log),
+  so the captured graph serves every later plan within the capacities,
+  a changed batch size included.
+
+Thread safety: a runner serializes its own methods with a lock, but its
+buffers belong to one stream: call :meth:`plan` and :meth:`run` on the stream
+the runner was made for (the current stream at construction) or make one
+runner per stream. Plans and tables are frozen values that any thread may
+share.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from . import _configs, _launch
+from ._device import require_gpu
+from .decode import (LOG2E, ScoreArgs, _check_inputs, _check_out, _check_plan, _check_sm_scale,
+                     _kernel_decline_reason, _nhd_views, _score_args)
+from ._arrays import as_cupy
+from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
+                     UnsupportedConfigError)
+from .page_table import PageTable
+from .plan import DecodePlan, heads_per_cta, plan_decode
+
+__all__ = ["DecodeRunner"]
+
+
+def _capacity(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= int(value) <= 2**31 - 1:
+        raise InvalidArgumentError(f"{name} must be an int in [1, 2**31 - 1], got {value!r}")
+    return int(value)
+
+
+def cap_for_units(pages: np.ndarray, max_units: int) -> int:
+    """The smallest chunk cap ``L`` (pages) at which splitting every request
+    into ``max(1, ceil(pages / L))`` chunks makes at most ``max_units``
+    chunks (``max_units >= len(pages)``).
+
+    >>> cap_for_units(np.array([100, 10, 0]), 5)
+    34
+    """
+    pages = np.asarray(pages, dtype=np.int64)
+    lo, hi = 1, max(int(pages.max(initial=1)), 1)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(np.maximum(1, -(-pages // mid)).sum()) <= max_units:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+class DecodeRunner:
+    """Launch object of the split-KV decode for one shape, device and stream,
+    with fixed capacities (see the module docstring).
+
+    Args:
+        num_qo_heads, num_kv_heads, head_dim: the model's attention shape.
+        dtype: q's and out's dtype (float16, bfloat16 or float32).
+        page_size: tokens per page of the caches and tables.
+        max_batch: the most requests a plan may have.
+        max_pages: the most page ids a table may hold (``table.indptr[-1]``).
+        kv_dtype: the caches' dtype: None (q's) or fp8 (``"float8_e4m3fn"``,
+            ``np.uint8`` or ``ml_dtypes.float8_e4m3fn``; uint8 caches).
+        max_units: the most chunks a plan may have (default ``max_batch +
+            128``). A plan with more is re-planned with the smallest larger
+            chunk cap that fits. A graph captured by :meth:`run` launches
+            ``max_units * heads_groups`` CTAs.
+
+    Example (needs a GPU)::
+
+        runner = cupaged.DecodeRunner(32, 8, 128, cupy.float16, page_size=16, max_batch=64, max_pages=65536)
+        runner.plan(table)                      # step 1
+        graph = capture(lambda: runner.run(q_buf, k, v, out=out_buf))  # q_buf/out_buf: [max_batch, 32, 128]
+        runner.plan(next_table)                 # step 2: other requests, other batch size
+        graph.launch()                          # decodes next_table's batch into out_buf[:batch]
+
+    Raises (constructor): InvalidArgumentError (a capacity that is not a
+    positive int32), ShapeError/DTypeError/UnsupportedConfigError (shapes
+    and dtypes no kernel serves), NoGPUError.
+    """
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype, *, page_size: int,
+                 max_batch: int, max_pages: int, kv_dtype=None, max_units: int | None = None):
+        require_gpu("cupaged.DecodeRunner")
+        import cupy
+
+        self.max_batch = _capacity(max_batch, "max_batch")
+        self.max_pages = _capacity(max_pages, "max_pages")
+        self.max_units = _capacity(self.max_batch + 128 if max_units is None else max_units, "max_units")
+        if self.max_units < self.max_batch:
+            raise InvalidArgumentError(f"max_units ({self.max_units}) must be >= max_batch ({self.max_batch}): "
+                                       "every request is at least one unit")
+        # plan_decode checks the shapes and dtypes and names what is unsupported
+        probe = plan_decode(PageTable.from_seq_lens([page_size], page_size), num_qo_heads, num_kv_heads, head_dim,
+                            dtype, kv_dtype=kv_dtype)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size, self.dtype, self.kv_dtype = probe.page_size, probe.dtype, probe.kv_dtype
+        q_name = _configs.dtype_name(probe.dtype)
+        self.variant = q_name if probe.kv_dtype == probe.dtype else _configs.variant(q_name, _configs.FP8)
+        try:
+            _configs.choose_core(self.variant, head_dim)
+        except ValueError as e:
+            raise UnsupportedConfigError(f"DecodeRunner: {e}") from None
+        self.device = cupy.cuda.runtime.getDevice()
+        self.stream = cupy.cuda.get_current_stream()
+        self._launch = _launch.PartialLaunch(self.variant, num_qo_heads, num_kv_heads, head_dim,
+                                             heads_per_cta(num_qo_heads // num_kv_heads), probe.page_size,
+                                             self.max_batch, self.max_units, self.max_pages)
+        self._lock = threading.RLock()
+        self._is_capturing = cupy.cuda.runtime.streamIsCapturing
+        self._num_pages = None  # the caches' page count seen by run(): later tables are checked against it
+        self.current_plan: DecodePlan | None = None
+        self.current_table: PageTable | None = None
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, table: PageTable, plan: DecodePlan | None = None, **knobs) -> DecodePlan:
+        """Makes ``table`` (and its plan) the runner's current step: plans it
+        with :func:`plan_decode` (``knobs`` are its keyword arguments) unless
+        ``plan`` is given, and writes it into the image with one copy on the
+        current stream, ordered before the next :meth:`run`. Returns the plan.
+        Not while the stream is capturing (the copy reads pinned host memory
+        that the next plan rewrites).
+
+        Raises CapacityError (the table exceeds max_batch or max_pages),
+        PlanMismatchError (a plan for other shapes, or stale),
+        PageTableError (a page id past the caches run() has seen), and
+        plan_decode's errors."""
+        if not isinstance(table, PageTable):
+            raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+        with self._lock:
+            self._check_device("plan")
+            if self._is_capturing(self.stream.ptr):
+                raise UnsupportedConfigError("DecodeRunner.plan cannot run while its stream is capturing a graph: "
+                                             "plan before the capture (or between replays)")
+            pages = int(table.indptr[-1])
+            if table.batch_size > self.max_batch or pages > self.max_pages or table.batch_size == 0:
+                raise CapacityError(
+                    f"table of {table.batch_size} requests and {pages} pages does not fit the runner "
+                    f"(1..{self.max_batch} requests, {self.max_pages} pages)")
+            if table.page_size != self.page_size:
+                raise ShapeError(f"table.page_size ({table.page_size}) must equal the runner's ({self.page_size})")
+            if self._num_pages is not None:
+                table.check_page_ids(self._num_pages)
+            if plan is None:
+                plan = self._plan(table, knobs)
+            else:
+                _check_plan(plan, table, _Shape(self), _CacheShape(self), self.variant)
+                if plan.num_chunks > self.max_units:
+                    raise CapacityError(f"plan has {plan.num_chunks} chunks, the runner holds {self.max_units}")
+            self._launch.load(plan, _launch.plan_units(plan), table)
+            self.current_plan, self.current_table = plan, table
+            return plan
+
+    def _plan(self, table: PageTable, knobs: dict) -> DecodePlan:
+        args = (table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype)
+        plan = plan_decode(*args, kv_dtype=self.kv_dtype, **knobs)
+        if plan.num_chunks > self.max_units:  # fewer, longer chunks: the smallest cap that fits
+            knobs = {k: v for k, v in knobs.items() if k not in ("pages_per_chunk", "max_pages_per_chunk")}
+            cap = cap_for_units(table.request_pages, self.max_units)
+            plan = plan_decode(*args, kv_dtype=self.kv_dtype, max_pages_per_chunk=cap, **knobs)
+        return plan
+
+    # ------------------------------------------------------------------- run
+    def run(self, q, k_cache, v_cache, out=None, *, sm_scale: float | None = None,
+            logits_soft_cap: float | None = None, k_scale=None, v_scale=None, kv_layout: str = "NHD",
+            return_lse: bool = False, lse=None):
+        """Decodes the current plan's batch: request ``i`` reads ``q[i]`` and
+        writes ``out[i]`` for ``i < batch`` (rows past it are neither read
+        nor written). Arguments as for :func:`cupaged.decode`; ``lse``
+        (float32 ``[rows, num_qo_heads]``, contiguous) receives the LSE when
+        given (a graph needs a fixed buffer), else ``return_lse`` allocates it.
+
+        While the stream is capturing, ``q``, ``out`` (and ``lse``) must hold
+        ``max_batch`` rows, so that replays for any later batch stay inside
+        them; the capture launches the capacity grid.
+
+        Returns ``out``, or ``(out, lse)`` with ``return_lse``.
+
+        Raises as :func:`cupaged.decode` does, plus UnsupportedConfigError
+        when no kernel serves the tensors (the runner has no gather path)
+        and when no plan was made yet, and ShapeError when q or out has fewer
+        rows than the batch (or than max_batch while capturing)."""
+        import cupy
+
+        with self._lock:
+            plan = self.current_plan
+            if plan is None:
+                raise UnsupportedConfigError("DecodeRunner.run before DecodeRunner.plan: plan a table first")
+            self._check_device("run")
+            q, k_cache, v_cache = as_cupy(q, "q"), as_cupy(k_cache, "k_cache"), as_cupy(v_cache, "v_cache")
+            if kv_layout != "NHD":
+                k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
+            capturing = self._is_capturing(self.stream.ptr) != 0
+            rows = self.max_batch if capturing else plan.batch_size
+            if q.ndim != 3 or q.shape[0] < rows:
+                raise ShapeError(f"q must be [rows, {self.num_qo_heads}, {self.head_dim}] with rows >= {rows} "
+                                 f"({'max_batch, while capturing' if capturing else 'the batch'}), got {q.shape}")
+            table = self.current_table
+            variant = _check_inputs(q[:plan.batch_size], k_cache, v_cache, table)
+            if (q.shape[1], k_cache.shape[2], variant) != (self.num_qo_heads, self.num_kv_heads, self.variant):
+                raise ShapeError(f"the runner serves {self.num_qo_heads} q / {self.num_kv_heads} kv heads of "
+                                 f"{self.variant}, the call has {q.shape[1]} / {k_cache.shape[2]} of {variant}")
+            decline = _kernel_decline_reason(q, k_cache, v_cache, "v2", variant)
+            if decline is not None:
+                raise UnsupportedConfigError(f"DecodeRunner: {decline}")
+            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _check_out(out, q)
+            if lse is None and return_lse:
+                lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
+            elif lse is not None:
+                lse = as_cupy(lse, "lse")
+                if lse.shape != q.shape[:2] or lse.dtype != np.float32 or not lse.flags.c_contiguous:
+                    raise ShapeError(f"lse must be a contiguous float32 array of shape {q.shape[:2]}, "
+                                     f"got {lse.shape} {lse.dtype}")
+            self._num_pages = k_cache.shape[0]
+            launch = self._launch
+            launch.set_arrays(q, k_cache, v_cache, out, lse)
+            launch.set_scores(self._scores(sm_scale, logits_soft_cap, k_scale, v_scale, q))
+            launch.launch(self.max_units if capturing else launch.units)
+            return (out, lse) if return_lse else out
+
+    # ---------------------------------------------------------------- append
+    def append_kv(self, k_new, v_new, k_cache, v_cache, *, kv_layout: str = "NHD", k_scale=None,
+                  v_scale=None) -> None:
+        """Writes one new token per request of the current plan's table (its
+        last visible slot) into the caches, like :func:`cupaged.append_kv`,
+        but through the runner's plan image, so that a captured graph serves
+        every later table. ``k_new``/``v_new``: ``[rows, num_kv_heads,
+        head_dim]`` with rows >= the batch (``max_batch`` while capturing);
+        row ``i`` is request ``i``'s token, rows past the batch are not read.
+        Raises as :func:`cupaged.append_kv` does."""
+        from .append import _check_append, _launch_append, _scale_as_cupy
+
+        with self._lock:
+            table = self.current_table
+            if table is None:
+                raise UnsupportedConfigError("DecodeRunner.append_kv before DecodeRunner.plan: plan a table first")
+            self._check_device("append_kv")
+            k_new, v_new = as_cupy(k_new, "k_new"), as_cupy(v_new, "v_new")
+            k_cache, v_cache = as_cupy(k_cache, "k_cache"), as_cupy(v_cache, "v_cache")
+            k_scale, v_scale = _scale_as_cupy(k_scale, "k_scale"), _scale_as_cupy(v_scale, "v_scale")
+            if any(a.data.device_id != self.device for a in (k_new, v_new, k_cache, v_cache)):
+                raise DeviceMismatchError(f"k_new, v_new and the caches must be on the runner's device {self.device}")
+            capturing = self._is_capturing(self.stream.ptr) != 0
+            rows = self.max_batch if capturing else table.batch_size
+            if k_new.ndim != 3 or k_new.shape[0] < rows or v_new.shape != k_new.shape:
+                raise ShapeError(f"k_new and v_new must be [rows, num_kv_heads, head_dim] with rows >= {rows}, "
+                                 f"got {k_new.shape} and {v_new.shape}")
+            batch = table.batch_size
+            launch = _check_append(k_new[:batch], v_new[:batch], k_cache, v_cache, table, None, kv_layout,
+                                   k_scale, v_scale)
+            base, (_, indptr, last, first, indices) = self._launch.image.data.ptr, self._launch.offsets
+            pointers = tuple(np.uint64(base + 4 * off) for off in (indices, indptr, last, first))
+            _launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch,
+                           (pointers, base + 4 * 6, rows))  # header[6]: the batch
+
+    def _scores(self, sm_scale, logits_soft_cap, k_scale, v_scale, q) -> ScoreArgs:
+        if logits_soft_cap is None and k_scale is None and v_scale is None:
+            return ScoreArgs((1.0 / math.sqrt(self.head_dim)) * LOG2E if sm_scale is None
+                             else _check_sm_scale(sm_scale))
+        return _score_args(sm_scale, self.head_dim, logits_soft_cap, k_scale, v_scale, self.num_kv_heads, q)
+
+    def _check_device(self, what: str) -> None:
+        import cupy
+
+        if cupy.cuda.runtime.getDevice() != self.device:
+            raise DeviceMismatchError(f"DecodeRunner.{what}: the runner was made on device {self.device}, the "
+                                      f"current device is {cupy.cuda.runtime.getDevice()}; make one runner per device")
+
+
+class _Shape:
+    """q's shape as _check_plan reads it (the runner checks plans before any q exists)."""
+
+    def __init__(self, runner: DecodeRunner):
+        self.shape = (0, runner.num_qo_heads, runner.head_dim)
+
+
+class _CacheShape:
+    def __init__(self, runner: DecodeRunner):
+        self.shape = (0, runner.page_size, runner.num_kv_heads, runner.head_dim)
