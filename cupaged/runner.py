@@ -279,11 +279,15 @@ class DecodeRunner:
         return _score_args(sm_scale, self.head_dim, logits_soft_cap, k_scale, v_scale, self.num_kv_heads, q)
 
     def _check_device(self, what: str) -> None:
+        """The runner's device and stream must be current (its buffers are theirs)."""
         import cupy
 
         if cupy.cuda.runtime.getDevice() != self.device:
             raise DeviceMismatchError(f"DecodeRunner.{what}: the runner was made on device {self.device}, the "
                                       f"current device is {cupy.cuda.runtime.getDevice()}; make one runner per device")
+        if cupy.cuda.get_current_stream().ptr != self.stream.ptr:
+            raise UnsupportedConfigError(f"DecodeRunner.{what}: the runner was made on another stream; its image and "
+                                         "workspace are ordered on that one (make one runner per stream)")
 
 
 class _Shape:

@@ -2,7 +2,7 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
-#        check ragged ragged_bench sweep sweep8 occupancy ab
+#        check ragged ragged_bench sweep sweep8 runtime occupancy ab
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench, .nbpeer for notebook and .ab for ab;
 #  keep one call under 10 minutes)
@@ -36,6 +36,8 @@ steps:
   ragged_bench  the ragged-batch family against FlashInfer (fp16, bf16, fp8)
   sweep       chunk sweep of the ragged family, fp16 (the planner check)
   sweep8      chunk sweep of the ragged family, fp8 (every second cap)
+  runtime     GPU tests of the serving runtime, the kernels it changed and the
+              serving loop; memcheck of the runner tests
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
@@ -85,6 +87,8 @@ for s in $steps; do case $s in
   ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
   sweep8) run sweep_ragged8 330 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --rounds ${SWEEP_ROUNDS:-2} --csv $work/sweep_ragged8.csv" ;;
+  runtime) run runtime_tests 300 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
+           run memcheck_runtime 150 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py -k 'not two_devices'" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in 1 2; do

@@ -1,6 +1,7 @@
 """GPU tests of decode's hot path: a call like the last fully checked v2 call
-with the same plan (same table, shapes, strides, dtypes, device, method and
-sm_scale) skips the checks and rewrites only the array pointers. Each test
+with the same plan (same table, shapes, strides, dtypes, device, stream,
+method, sm_scale, soft cap, k/v scales and layout) skips the checks and
+rewrites only the array pointers. Each test
 changes one thing between calls and checks the result against the float64
 reference, so a stale slot (pointer, stride, scale, table) fails here.
 """
@@ -28,7 +29,7 @@ def _cp():
 def _buffers(plan):
     import importlib
 
-    return importlib.import_module("cupaged.decode").plan_buffers(plan)
+    return importlib.import_module("cupaged.decode")._plan_states[plan].last
 
 
 def _decode(q, k, v, table, plan, **kw):
@@ -42,7 +43,7 @@ def _count_launches(monkeypatch):
     """Counts the checked launches and the hot ones."""
     import importlib
 
-    cls = importlib.import_module("cupaged.decode")._PlanBuffers
+    cls = importlib.import_module("cupaged.decode")._PlanLaunch
     counts = {"checked": 0, "hot": 0}
     for name, key in (("launch", "checked"), ("launch_pointers", "hot")):
         real = getattr(cls, name)
@@ -86,12 +87,16 @@ def test_each_difference_takes_the_checked_path(monkeypatch):
     check_close(*_decode(q, k, v, table, plan), *ref, F16)
     assert counts == {"checked": 0, "hot": 1}
 
-    # another sm_scale, then a soft cap (not recordable), then plain again
+    # another sm_scale, then a soft cap (recorded too: its repeat is hot), then plain again
     check_close(*_decode(q, k, v, table, plan, sm_scale=0.05), *reference.decode(*host, table, sm_scale=0.05), F16)
-    assert _buffers(plan).hot.sm_scale == 0.05
+    assert _buffers(plan).hot.args[0] == 0.05
     capped = reference.decode(*host, table, logits_soft_cap=5.0)
-    check_close(*_decode(q, k, v, table, plan, logits_soft_cap=5.0), *capped, F16)
-    assert _buffers(plan).hot is None
+    counts.update(checked=0, hot=0)
+    for _ in range(2):
+        check_close(*_decode(q, k, v, table, plan, logits_soft_cap=5.0), *capped, F16)
+    assert _buffers(plan).hot.args[1] == 5.0 and counts == {"checked": 1, "hot": 1}
+    check_close(*_decode(q, k, v, table, plan, logits_soft_cap=2.0),
+                *reference.decode(*host, table, logits_soft_cap=2.0), F16)  # a new value: checked again
     check_close(*_decode(q, k, v, table, plan), *ref, F16)
 
     # out with other strides (a slice of a wider buffer)
