@@ -112,7 +112,7 @@ class PartialLaunch:
         import cupy
         from cupy_backends.cuda.api import driver
 
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()
         self.device = cupy.cuda.runtime.getDevice()
         self.variant, self.head_dim = variant, head_dim
         group = num_qo_heads // num_kv_heads
@@ -215,9 +215,10 @@ class PartialLaunch:
         self._launch(self.function, units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem,
                      self._current_stream().ptr, self.params_ptr, 0)
 
-    def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int | None) -> None:
-        """Launches the image's units with new array pointers, everything else as last set."""
+    def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int | None, stream: int) -> None:
+        """Launches the image's units on ``stream`` with new array pointers,
+        everything else as last set."""
         p = self.params
         p.q, p.k_cache, p.v_cache, p.final_out, p.final_lse = q, k, v, out, lse
-        self._launch(self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem,
-                     self._current_stream().ptr, self.params_ptr, 0)
+        self._launch(self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem, stream,
+                     self.params_ptr, 0)

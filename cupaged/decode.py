@@ -737,10 +737,9 @@ class _HotCall:
                 or v.shape != self.kv_meta[0] or v.strides != self.v_strides or v.dtype != self.kv_meta[2]):
             return None
         qp, kp, vp = q.data, k.data, v.data
-        device = self.device
+        device, stream = self.device, state.stream_ptr
         if ((qp.ptr | kp.ptr | vp.ptr) & 15 or qp.device_id != device or kp.device_id != device
-                or vp.device_id != device or self.get_device() != device
-                or self.get_stream().ptr != state.stream_ptr):
+                or vp.device_id != device or self.get_device() != device or self.get_stream().ptr != stream):
             return None
         if out is None:
             out = self.empty(q_shape, dtype=q.dtype)
@@ -751,7 +750,7 @@ class _HotCall:
             return None
         lse = self.empty(q_shape[:2], dtype=self.float32) if return_lse else None
         with state.lock:
-            state.launch_pointers(qp.ptr, kp.ptr, vp.ptr, out.data.ptr, None if lse is None else lse.data.ptr)
+            state.launch_pointers(qp.ptr, kp.ptr, vp.ptr, out.data.ptr, None if lse is None else lse.data.ptr, stream)
         return (out, lse) if return_lse else out
 
 

@@ -79,7 +79,8 @@ class DecodeRunner:
         max_batch: the most requests a plan may have.
         max_pages: the most page ids a table may hold (``table.indptr[-1]``).
         kv_dtype: the caches' dtype: None (q's) or fp8 (``"float8_e4m3fn"``,
-            ``np.uint8`` or ``ml_dtypes.float8_e4m3fn``; uint8 caches).
+            ``np.uint8`` or ``ml_dtypes.float8_e4m3fn``; uint8 caches), as
+            for :func:`cupaged.plan_decode`.
         max_units: the most chunks a plan may have (default ``max_batch +
             128``). A plan with more is re-planned with the smallest larger
             chunk cap that fits. A graph captured by :meth:`run` launches

@@ -103,11 +103,13 @@ def main(argv=None) -> int:
 
     timed(layer_call, f"decode call rotating {args.layers} layers")
     # The floor: the driver launch alone (cuLaunchKernel with packed arguments).
-    from cupaged.decode import plan_buffers
+    from cupaged.decode import _plan_states
 
-    buf = plan_buffers(plan)
-    ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr, 0)
-    timed(lambda: buf.launch_pointers(*ptrs), "bare launch (launch_pointers)")
+    state = _plan_states[plan].last
+    stream = cupy.cuda.get_current_stream().ptr
+    ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr, None, stream)
+    timed(lambda: state.launch_pointers(*ptrs), "bare launch (launch_pointers)")
+    every_path(cupy, np, cupaged, args, timed)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):
@@ -116,6 +118,29 @@ def main(argv=None) -> int:
     cupy.cuda.Device().synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     return 0
+
+
+def every_path(cupy, np, cupaged, args, timed) -> None:
+    """Host µs per held-plan decode call on every supported path (issue 17):
+    bf16, fp8 with per-tensor and per-head scales, soft cap, HND, return_lse."""
+    layout = _common.plan_layout(args.batch, args.ctx, 16, seed=2, mid_page=False, page_order="random")
+    f16 = _common.make_device_batch(layout, 32, 8, 128, np.float16, seed=2)
+    bf16 = _common.make_device_batch(layout, 32, 8, 128, _common.resolve_dtype("bfloat16"), seed=2)
+    k8, v8 = (cupaged.fp8.to_e4m3(x) for x in (f16.k_cache, f16.v_cache))
+    head = cupy.full(8, 0.5, dtype=cupy.float32)
+    hnd = [cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (f16.k_cache, f16.v_cache)]
+    cases = {
+        "bf16": (bf16.q, bf16.k_cache, bf16.v_cache, None, {}),
+        "fp8 per-tensor scales": (f16.q, k8, v8, "float8_e4m3fn", dict(k_scale=0.5, v_scale=0.25)),
+        "fp8 per-head scales": (f16.q, k8, v8, "float8_e4m3fn", dict(k_scale=head, v_scale=head)),
+        "soft cap": (f16.q, f16.k_cache, f16.v_cache, None, dict(logits_soft_cap=30.0)),
+        "HND": (f16.q, *hnd, None, dict(kv_layout="HND")),
+        "return_lse": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True)),
+    }
+    for name, (q, k, v, kv_dtype, kw) in cases.items():
+        plan = cupaged.plan_decode(f16.table, 32, 8, 128, q.dtype, kv_dtype=kv_dtype)
+        out = cupy.empty_like(q)
+        timed(lambda: cupaged.decode(q, k, v, f16.table, plan, out=out, **kw), f"decode call, {name}")
 
 
 if __name__ == "__main__":

@@ -50,12 +50,12 @@ def _check_rows(out, lse, q_h, k_h, v_h, table, **kw):
 def test_runner_matches_reference_over_changing_batches():
     cp = _cp()
     rng = np.random.default_rng(1)
-    k, v, k_h, v_h = _pool(rng, 4096)
-    runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=64, max_pages=4096)
+    k, v, k_h, v_h = _pool(rng, 12000)
+    runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=64, max_pages=12000)
     for batch in (5, 17, 1, 64, 33):
         lens = rng.integers(1, 2000, batch)
         lens[0] = 20000  # one long request: split and merged
-        table = _random_table(rng, lens, 4096)
+        table = _random_table(rng, lens, 12000)
         plan = runner.plan(table)
         assert plan.batch_size == batch and plan.num_chunks <= runner.max_units
         q_h = make_query(rng, 64, HQ, D, F16)
@@ -77,7 +77,7 @@ def test_one_graph_serves_later_tables_and_batch_sizes():
 
 def _graph_case(cp):
     rng = np.random.default_rng(2)
-    max_batch, num_pages, layers = 48, 6000, 3
+    max_batch, num_pages, layers = 48, 12000, 3
     caches = [_pool(rng, num_pages) for _ in range(layers)]
     runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=max_batch, max_pages=num_pages)
     q_buf = cp.zeros((max_batch, HQ, D), dtype=cp.float16)
@@ -177,7 +177,7 @@ def test_runner_fp8_with_scales_and_soft_cap(scale_mode):
     table, num_pages = make_table(rng, [900, 5000, 33], P)
     k_h, v_h, ks, vs = make_fp8_caches(rng, table, num_pages, HKV, D, scale_mode)
     q_h = make_query(rng, 3, HQ, D, F16)
-    runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=3, max_pages=num_pages, kv_dtype="fp8")
+    runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=3, max_pages=num_pages, kv_dtype="float8_e4m3fn")
     runner.plan(table)
     dev = lambda s: s if s is None or isinstance(s, float) else cp.asarray(s)  # noqa: E731
     out, lse = runner.run(cp.asarray(q_h), cp.asarray(k_h), cp.asarray(v_h), k_scale=dev(ks), v_scale=dev(vs),
@@ -258,7 +258,7 @@ def test_hot_path_on_every_argument_kind(case, monkeypatch):
         k_h, v_h, ks, vs = make_fp8_caches(rng, table, num_pages, HKV, D, case[4:])
         ref_kw = dict(k_scale=ks, v_scale=vs)
         kw = {n: s if isinstance(s, float) else cp.asarray(s) for n, s in ref_kw.items()}
-        kv_dtype = "fp8"
+        kv_dtype = "float8_e4m3fn"
     else:
         k_h, v_h = make_caches(rng, table, num_pages, HKV, D, F16)
         kv_dtype = None
