@@ -82,13 +82,15 @@ def _step_pool(prompts, steps: int):
 
 
 def _time_steps(pool, ids, steps: int, plan: bool) -> dict:
-    """µs lists of ``steps`` decode steps: advance, page_table and, with
+    """µs lists of ``steps`` decode steps: advance, page_table, append_kv's
+    slot check of the new table (its first layer; no GPU needed) and, with
     ``plan``, plan_decode between steps, as a server runs it."""
     import numpy as np
 
     import cupaged
+    from cupaged.append import _check_distinct_slots
 
-    times: dict = {"advance": [], "table": [], "book": [], "plan": [], "total": []}
+    times: dict = {"advance": [], "table": [], "book": [], "slots": [], "plan": [], "total": []}
     for _ in range(steps):
         t0 = time.perf_counter()
         pool.advance(ids, 1)
@@ -98,8 +100,10 @@ def _time_steps(pool, ids, steps: int, plan: bool) -> dict:
         if plan:
             cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
         t3 = time.perf_counter()
+        _check_distinct_slots(table, None)
+        t4 = time.perf_counter()
         for key, t in (("advance", t1 - t0), ("table", t2 - t1), ("book", t2 - t0), ("plan", t3 - t2),
-                       ("total", t3 - t0)):
+                       ("total", t3 - t0), ("slots", t4 - t3)):
             times[key].append(t * 1e6)
     return times
 
@@ -111,9 +115,9 @@ def step_costs(steps: int = 2000) -> None:
     path), ``plan_decode`` on that table (fp16, 32 q / 8 kv heads, D 128, 132
     SMs) and their sum, with plan_decode between steps as a server runs it;
     median, p10 and p90 over ``steps`` steps. Then the bookkeeping back to
-    back (no plan_decode between: warm caches), the per-sequence way (``B x
-    pool.append`` + ``page_table``) and a ``page_table`` after one sequence
-    left and one joined."""
+    back (no plan_decode between: warm caches), append_kv's slot check of a
+    new table, the per-sequence way (``B x pool.append`` + ``page_table``)
+    and a ``page_table`` after one sequence left and one joined."""
     print(f"host us per decode step, page size {STEP_PAGE_SIZE}, {steps} steps: median, p10, p90")
     for batch, spec, seed in STEP_BATCHES:
         prompts = _common.ragged_lengths(spec, batch, seed)
@@ -142,6 +146,7 @@ def step_costs(steps: int = 2000) -> None:
         _spread("plan_decode", served["plan"])
         _spread("step total (bookkeeping + plan_decode)", served["total"])
         _spread("bookkeeping back to back (no plan_decode between)", warm["book"])
+        _spread("append_kv slot check of the step's table", served["slots"])
         _spread(f"{batch} x pool.append + page_table", loop)
         _spread("page_table after 1 leave + 1 join", churn)
 
