@@ -129,7 +129,10 @@ def append_kv(k_new: DeviceArray, v_new: DeviceArray, k_cache: DeviceArray, v_ca
         a NumPy ``append_indptr`` not starting at 0, decreasing, not ending
         at ``total_new`` or giving a request more new tokens than it has
         visible slots; one token per request but a request with no visible
-        slot), DeviceMismatchError [ValueError] (arrays on different devices
+        slot; two new tokens for one cache slot, a write race, e.g. from a
+        table listing one sequence twice, ``pool.page_table([s, s])``:
+        checked once per table unless ``append_indptr`` is a device array),
+        DeviceMismatchError [ValueError] (arrays on different devices
         or not on the current one), PageTableError [ValueError] (a page id
         ``>= num_pages``), NoGPUError [RuntimeError] (no CUDA device;
         checked first).
@@ -315,6 +318,7 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
             )
     else:
         append_indptr = _check_append_indptr(append_indptr, batch, tokens, table.seq_lens)
+    _check_distinct_slots(table, append_indptr)
     table.check_page_ids(num_pages)
     chunks = head_dim // elems
     grid = -(-tokens * num_kv_heads * chunks // _THREADS)
@@ -353,6 +357,79 @@ def _min_seq_len(table: PageTable) -> int:
     if m is None:
         m = _min_seq_lens[table] = int(table.seq_lens.min())
     return m
+
+
+# Tables whose one-token-per-request slots are known distinct, and the last
+# NumPy append_indptr (its bytes) found distinct for a table: append_kv runs
+# once per layer with one table, so the check runs once per step.
+_distinct_last_slots: "weakref.WeakSet[PageTable]" = weakref.WeakSet()
+_distinct_indptr: "weakref.WeakKeyDictionary[PageTable, bytes]" = weakref.WeakKeyDictionary()
+
+
+def _append_slots(table: PageTable, append_indptr: np.ndarray | None) -> np.ndarray:
+    """The cache slot, ``page * page_size + entry`` (int64), that each new
+    token goes to, in k_new's row order: the last visible slot of every
+    request (``append_indptr`` None), or the last ``n_i`` of request ``i``.
+    For arguments _check_append has accepted (each request has the slots).
+
+    >>> t = PageTable([3, 5, 5], [0, 2, 3], [2, 4], page_size=4)
+    >>> _append_slots(t, None).tolist()                  # page 5 entry 1, page 5 entry 3
+    [21, 23]
+    >>> _append_slots(t, np.array([0, 3, 4], np.int32)).tolist()
+    [15, 20, 21, 23]
+    """
+    P, indices = table.page_size, table.indices
+    if append_indptr is None:  # the last used entry of each request's last page
+        return indices[table.indptr[1:] - 1].astype(np.int64) * P + table.last_page_len - 1
+    counts = np.diff(append_indptr.astype(np.int64))
+    req = np.repeat(np.arange(table.batch_size), counts)
+    token = np.arange(req.shape[0]) - append_indptr[req]  # j of request i's new token j
+    pos = table.first_page_offset[req] + table.seq_lens[req] - counts[req] + token  # from its first page
+    return indices[table.indptr[req] + pos // P].astype(np.int64) * P + pos % P
+
+
+def _check_distinct_slots(table: PageTable, append_indptr) -> None:
+    """Refuse two new tokens for one cache slot (a write race on the GPU):
+    a table listing one sequence twice, a fork that did not grow before both
+    write, or a request listing one page twice. Checked on the host for
+    ``append_indptr`` None or a NumPy array, remembered per table; a device
+    ``append_indptr`` stays the caller's contract."""
+    if append_indptr is None:
+        if table in _distinct_last_slots:
+            return
+    elif isinstance(append_indptr, np.ndarray):
+        key = append_indptr.tobytes()
+        if _distinct_indptr.get(table) == key:
+            return
+    else:
+        return
+    slots = _append_slots(table, append_indptr)
+    ranked = np.sort(slots)
+    if (ranked[1:] == ranked[:-1]).any():
+        order = np.argsort(slots, kind="stable")
+        dup = (slots[order[1:]] == slots[order[:-1]]).nonzero()[0]
+        k = int(dup[np.argmin(order[dup + 1])])  # the pair whose second token comes first
+        raise InvalidArgumentError(_slot_race_message(table, append_indptr, int(order[k]), int(order[k + 1]),
+                                                      int(slots[order[k]])))
+    if append_indptr is None:
+        _distinct_last_slots.add(table)
+    else:
+        _distinct_indptr[table] = key
+
+
+def _slot_race_message(table: PageTable, append_indptr, a: int, b: int, slot: int) -> str:
+    """Name the two new tokens (rows ``a`` < ``b`` of k_new) and their slot."""
+    P = table.page_size
+    where = f"entry {slot % P} of page {slot // P}"
+    if append_indptr is None:
+        who = f"requests {a} and {b} would both write their new token to {where}"
+    else:
+        i, j = (int(np.searchsorted(append_indptr, t, side="right")) - 1 for t in (a, b))
+        who = (f"request {i}'s new token {a - int(append_indptr[i])} and request {j}'s new token "
+               f"{b - int(append_indptr[j])} would both write {where}")
+    return (f"{who}: two writes to one cache slot race on the GPU. List each sequence once in an appending "
+            "batch (pool.page_table([s, s]) gives both requests s's last slot) and grow a fork before it "
+            "writes (pool.advance or pool.append, then pool.page_table)")
 
 
 def _check_scale(scale, name: str, num_kv_heads: int):

@@ -5,7 +5,9 @@ rotating through several layers' caches with a new q and out each (a serving
 step), and of the bare driver launch; then a cProfile of the first kind of
 call sorted by own time. First, without a GPU too, the host cost of
 ``plan_decode`` on ragged batches of 128 and 256 requests (``--plan-only``
-stops there). Exit status: 0 ran, 3 no CUDA GPU (after the plan timings).
+stops there). ``--step`` instead times, without a GPU, the host bookkeeping of
+one decode step with a :class:`cupaged.BlockPool` at batch 32, 128 and 256.
+Exit status: 0 ran, 3 no CUDA GPU (after the plan timings).
 """
 
 from __future__ import annotations
@@ -51,6 +53,104 @@ def plan_costs(calls: int = 300) -> None:
               f"p10 {np.percentile(times, 10):.1f}, p90 {np.percentile(times, 90):.1f} ({calls} calls)")
 
 
+#: Batches of the --step timing (batch, prompt lengths, seed), page size 16.
+STEP_BATCHES = ((32, "lognormal:1024:1.2", 1), (128, "lognormal:1024:1.2", 1), (256, "lognormal:512:1.0", 3))
+STEP_PAGE_SIZE = 16
+
+
+def _spread(label: str, times: list) -> None:
+    import numpy as np
+
+    print(f"  {label:<48} {statistics.median(times):8.1f} {np.percentile(times, 10):8.1f} "
+          f"{np.percentile(times, 90):8.1f}")
+
+
+def _step_pool(prompts, steps: int):
+    """A BlockPool holding one sequence per prompt, with room for ``steps``
+    decode steps of each and then some; returns ``(pool, ids)``."""
+    import cupaged
+
+    P = STEP_PAGE_SIZE
+    need = int((-(-(prompts + 2 * steps + 2 * P) // P)).sum()) + 4 * len(prompts)
+    pool = cupaged.BlockPool(num_pages=2 * need, page_size=P)
+    ids = []
+    for n in prompts.tolist():
+        ids.append(pool.add_sequence())
+        pool.append(ids[-1], n)
+    pool.page_table(ids)
+    return pool, ids
+
+
+def _time_steps(pool, ids, steps: int, plan: bool) -> dict:
+    """µs lists of ``steps`` decode steps: advance, page_table, append_kv's
+    slot check of the new table (its first layer; no GPU needed) and, with
+    ``plan``, plan_decode between steps, as a server runs it."""
+    import numpy as np
+
+    import cupaged
+    from cupaged.append import _check_distinct_slots
+
+    times: dict = {"advance": [], "table": [], "book": [], "slots": [], "plan": [], "total": []}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        pool.advance(ids, 1)
+        t1 = time.perf_counter()
+        table, _ = pool.page_table(ids)
+        t2 = time.perf_counter()
+        if plan:
+            cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+        t3 = time.perf_counter()
+        _check_distinct_slots(table, None)
+        t4 = time.perf_counter()
+        for key, t in (("advance", t1 - t0), ("table", t2 - t1), ("book", t2 - t0), ("plan", t3 - t2),
+                       ("total", t3 - t0), ("slots", t4 - t3)):
+            times[key].append(t * 1e6)
+    return times
+
+
+def step_costs(steps: int = 2000) -> None:
+    """Host µs of one decode step with a BlockPool, per batch of
+    STEP_BATCHES: ``pool.advance(ids, 1)`` (every sequence grows by one
+    token), ``pool.page_table(ids)`` for the same id list (the incremental
+    path), ``plan_decode`` on that table (fp16, 32 q / 8 kv heads, D 128, 132
+    SMs) and their sum, with plan_decode between steps as a server runs it;
+    median, p10 and p90 over ``steps`` steps. Then the bookkeeping back to
+    back (no plan_decode between: warm caches), append_kv's slot check of a
+    new table, the per-sequence way (``B x pool.append`` + ``page_table``)
+    and a ``page_table`` after one sequence left and one joined."""
+    print(f"host us per decode step, page size {STEP_PAGE_SIZE}, {steps} steps: median, p10, p90")
+    for batch, spec, seed in STEP_BATCHES:
+        prompts = _common.ragged_lengths(spec, batch, seed)
+        pool, ids = _step_pool(prompts, steps)
+        served = _time_steps(pool, ids, steps, plan=True)
+        warm = _time_steps(pool, ids, steps // 2, plan=False)
+        loop = []
+        for _ in range(steps // 10):
+            t0 = time.perf_counter()
+            for s in ids:
+                pool.append(s, 1)
+            pool.page_table(ids)
+            loop.append((time.perf_counter() - t0) * 1e6)
+        churn = []
+        for _ in range(steps // 10):  # the oldest leaves, a new one joins with its prompt
+            pool.free(ids.pop(0))
+            ids.append(pool.add_sequence())
+            pool.append(ids[-1], int(prompts[len(churn) % batch]))
+            t0 = time.perf_counter()
+            pool.page_table(ids)
+            churn.append((time.perf_counter() - t0) * 1e6)
+        print(f"batch {batch} {spec}: {int(prompts.sum())} prompt tokens")
+        _spread("pool.advance(ids, 1)", served["advance"])
+        _spread("pool.page_table(ids), same ids", served["table"])
+        _spread("advance + page_table (bookkeeping)", served["book"])
+        _spread("plan_decode", served["plan"])
+        _spread("step total (bookkeeping + plan_decode)", served["total"])
+        _spread("bookkeeping back to back (no plan_decode between)", warm["book"])
+        _spread("append_kv slot check of the step's table", served["slots"])
+        _spread(f"{batch} x pool.append + page_table", loop)
+        _spread("page_table after 1 leave + 1 join", churn)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
     p.add_argument("--batch", type=int, default=8, help="requests in the batch (default 8)")
@@ -58,7 +158,12 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2000, help="calls per timing and in the profile (default 2000)")
     p.add_argument("--layers", type=int, default=4, help="caches rotated through in the serving-step timing")
     p.add_argument("--plan-only", action="store_true", help="time plan_decode on ragged batches only (no GPU)")
+    p.add_argument("--step", action="store_true",
+                   help="time a decode step's pool bookkeeping and plan_decode at batch 32/128/256 only (no GPU)")
     args = p.parse_args(argv)
+    if args.step:
+        step_costs()
+        return 0
     plan_costs()
     if args.plan_only:
         return 0

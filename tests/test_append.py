@@ -20,7 +20,8 @@ import pytest
 
 import cupaged
 from cupaged import _configs, reference
-from cupaged.append import _check_append
+from cupaged import append as append_module
+from cupaged.append import _append_slots, _check_append
 from cupaged.errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError, NoGPUError,
                             PageTableError, ShapeError, UnsupportedConfigError)
 from helpers import make_table, rel_errors, visible_mask
@@ -165,6 +166,27 @@ def _check(a):
                          a["kv_layout"], a["k_scale"], a["v_scale"])
 
 
+def pool_table(*lengths_and_picks):
+    """A BlockPool table at P = 16 in a 16-page pool: ``lengths`` for the
+    sequences, then the indices of those listed (a sequence may repeat)."""
+    *lengths, picks = lengths_and_picks
+    pool = cupaged.BlockPool(16, 16)
+    seqs = [pool.add_sequence() for _ in lengths]
+    pool.advance(seqs, list(lengths))
+    return pool.page_table([seqs[i] for i in picks])[0]
+
+
+def forked_table():
+    """Sequence 0 ends on a full page and is forked but neither grew: the
+    table lists that full page's last slot for both."""
+    pool = cupaged.BlockPool(16, 16)
+    a, c = pool.add_sequence(), pool.add_sequence()
+    pool.advance([a, c], [32, 3])
+    b, copies = pool.fork(a)
+    assert copies == ()
+    return pool.page_table([a, b, c])[0]
+
+
 _SAME = aligned(CACHE, F16)
 # row -> (class, message fragment, args)
 REJECTIONS = {
@@ -230,6 +252,20 @@ REJECTIONS = {
                                         append_indptr=np.array([0, 1, 2, 20], np.int32))),
     "one_token_but_empty_request": (InvalidArgumentError, "request 1: has no visible slot",
                                     args(table=cupaged.PageTable.from_seq_lens([4, 0, 5], 16))),
+    "one_sequence_twice": (InvalidArgumentError, "requests 0 and 2 would both write their new token to entry 3 of "
+                           "page 1: two writes to one cache slot race on the GPU",
+                           args(table=pool_table(20, 5, (0, 1, 0)))),
+    "one_sequence_twice_several_tokens": (InvalidArgumentError, "request 0's new token 0 and request 2's new token 1 "
+                                          "would both write entry 3 of page 1",
+                                          args(table=pool_table(20, 5, (0, 1, 0)),
+                                               append_indptr=np.array([0, 1, 1, 3], np.int32))),
+    "fork_not_grown": (InvalidArgumentError, "requests 0 and 1 would both write their new token to entry 15 of page 1",
+                       args(table=forked_table())),
+    "one_page_twice_in_a_request": (InvalidArgumentError, "request 0's new token 0 and request 0's new token 16 would "
+                                    "both write entry 15 of page 4",
+                                    args(table=cupaged.PageTable([4, 4], [0, 2], [16], page_size=16),
+                                         k_new=aligned((17, 2, 128), F16), v_new=aligned((17, 2, 128), F16),
+                                         append_indptr=np.array([0, 17], np.int32))),
     "page_id_out_of_range": (PageTableError, "out of range for a cache of num_pages=10",
                              args(k_cache=aligned((10, 16, 2, 128), F16), v_cache=aligned((10, 16, 2, 128), F16))),
 }
@@ -271,6 +307,59 @@ def test_valid_variants_cpu():
     # a request may get exactly seq_len new tokens (its prefill)
     full = aligned((147, 2, 128), F16)
     assert _check(args(k_new=full, v_new=full, append_indptr=np.array([0, 40, 130, 147], np.int32))).num_tokens == 147
+    # a sequence listed twice is fine when only one of its entries appends (the slots are distinct)
+    twice = pool_table(20, 5, (0, 1, 0))
+    assert _check(args(table=twice, append_indptr=np.array([0, 1, 3, 3], np.int32))).num_tokens == 3
+
+
+def visible_slots(table):
+    """Every visible slot (page * P + entry) per request, walking the CSR view
+    the way a kernel does (independent of _append_slots' arithmetic)."""
+    P, out = table.page_size, []
+    for i in range(table.batch_size):
+        lo, hi = int(table.indptr[i]), int(table.indptr[i + 1])
+        slots = []
+        for j in range(lo, hi):
+            first = int(table.first_page_offset[i]) if j == lo else 0
+            end = int(table.last_page_len[i]) if j == hi - 1 else P
+            slots += [int(table.indices[j]) * P + e for e in range(first, end)]
+        out.append(slots)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_append_slots_are_each_requests_last_visible_slots(seed):
+    rng = np.random.default_rng(seed)
+    P = int(rng.choice([1, 5, 16]))
+    lens = rng.integers(1, 4 * P, 9)
+    lens[:3] = [1, P, P + 1]
+    table, _ = make_table(rng, lens, P, first_page_offset=rng.integers(0, P, 9))
+    slots = visible_slots(table)
+    assert _append_slots(table, None).tolist() == [s[-1] for s in slots]
+    counts = [int(rng.integers(0, n + 1)) for n in table.seq_lens.tolist()]
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    assert _append_slots(table, indptr).tolist() == [x for s, n in zip(slots, counts) for x in s[len(s) - n:]]
+
+
+def test_slot_check_runs_once_per_table_and_indptr(monkeypatch):
+    """append_kv runs once per layer with one table: the slot check computes
+    once per table (and NumPy append_indptr), then remembers the answer."""
+    calls = []
+    monkeypatch.setattr(append_module, "_append_slots", lambda t, a: calls.append(a) or _append_slots(t, a))
+    table = cupaged.PageTable.from_seq_lens([40, 90, 17], 16)
+    for _ in range(3):
+        _check(args(table=table))
+    assert len(calls) == 1
+    ap = np.array([0, 1, 2, 3], np.int32)
+    for _ in range(3):
+        _check(args(table=table, append_indptr=ap.copy()))
+    _check(args(table=table, append_indptr=np.array([0, 0, 2, 3], np.int32)))
+    assert len(calls) == 3
+    twice = pool_table(20, 5, (0, 1, 0))
+    for _ in range(2):                                # a refusal is not remembered: it stays refused
+        with pytest.raises(InvalidArgumentError, match="race on the GPU"):
+            _check(args(table=twice))
+    assert len(calls) == 5
 
 
 @pytest.mark.skipif(cupaged.has_gpu(), reason="checks the no-GPU behaviour")
@@ -513,6 +602,22 @@ def test_gpu_rejections():
         cupaged.append_kv(new, new, k, k, table)
     with pytest.raises(DTypeError, match="append_indptr must be int32"):
         cupaged.append_kv(new, new, k, k.copy(), table, append_indptr=cp.arange(3))
+
+
+@pytest.mark.gpu
+def test_gpu_two_tokens_for_one_slot_are_refused_before_the_launch():
+    cp = _cp()
+    pool = cupaged.BlockPool(8, 16)
+    s = pool.add_sequence()
+    pool.advance([s], 5)
+    table, _ = pool.page_table([s, s])
+    k, v = cp.zeros((8, 16, 2, 64), dtype=cp.float16), cp.zeros((8, 16, 2, 64), dtype=cp.float16)
+    new = cp.ones((2, 2, 64), dtype=cp.float16)
+    with pytest.raises(InvalidArgumentError, match="requests 0 and 1 would both write their new token to entry 4 "
+                                                   "of page 0"):
+        cupaged.append_kv(new, new, k, v, table)
+    cp.cuda.Device().synchronize()
+    assert not bool(k.any()) and not bool(v.any())
 
 
 def _decode_step_setup(rng, P=16, Hkv=2, D=128, dtype=F16, num_pages=48):

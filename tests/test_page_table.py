@@ -486,3 +486,31 @@ def test_copies_are_frozen_and_consistent(how):
     c.check_page_ids(8)
     with pytest.raises(PageTableError, match="page id 7 at indices"):
         c.check_page_ids(7)
+
+
+def test_block_pool_tables_are_the_constructors_tables():
+    """BlockPool builds its tables without running validate (_from_pool):
+    each must still be what the constructor makes of the same arrays, share
+    no writeable array with the tables before or after it, and copy like
+    any table."""
+    import copy
+
+    from cupaged.pool import BlockPool
+
+    pool = BlockPool(64, 4)
+    seqs = [pool.add_sequence() for _ in range(4)]
+    pool.advance(seqs, [9, 4, 0, 6])
+    pool.trim_front(seqs[0], 5)                       # a mid-page start
+    tables = []
+    for _ in range(6):
+        pool.advance(seqs[:2] + seqs[3:], 1)          # seqs[2] stays empty
+        tables.append(pool.page_table(seqs)[0])
+    for t in tables:
+        rebuilt = PageTable(t.indices, t.indptr, t.last_page_len, t.first_page_offset, page_size=4, num_pages=64)
+        for name in ("indices", "indptr", "last_page_len", "first_page_offset", "request_pages", "seq_lens"):
+            a, b = getattr(t, name), getattr(rebuilt, name)
+            assert a.dtype == b.dtype and a.tolist() == b.tolist() and not a.flags.writeable, name
+        assert t.max_page_id == rebuilt.max_page_id and t._device is None
+        t.validate()
+        assert copy.deepcopy(t).indices.tolist() == t.indices.tolist()
+    assert tables[0].seq_lens.tolist() == [5, 5, 0, 7] and tables[-1].seq_lens.tolist() == [10, 10, 0, 12]

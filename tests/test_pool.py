@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cupaged.errors import OutOfPagesError
-from cupaged.page_table import PageTable
+from cupaged.page_table import PageTable, build_page_table
 from cupaged.pool import BlockPool, PageCopy, SequenceState, apply_page_copies
 
 
@@ -97,11 +97,26 @@ def check_invariants(pool: BlockPool):
     for p in range(pool.num_pages):
         assert pool.refcount(p) == holders[p]
         assert (p in free) == (holders[p] == 0)  # free xor held
-    table, rope = pool.page_table(pool.seq_ids)  # validates on build
+    table, rope = pool.page_table(pool.seq_ids)
     table.validate()
     states = [pool.sequence(s) for s in pool.seq_ids]
     assert table.seq_lens.tolist() == [s.length - s.logical_start for s in states]
     assert rope.tolist() == [s.length for s in states]
+    assert_same_table(pool, pool.seq_ids)
+
+
+def assert_same_table(pool: BlockPool, ids) -> None:
+    """pool.page_table(ids) (cached and incremental) equals build_page_table
+    on the sequences' states, derived facts included, and validates."""
+    table, rope = pool.page_table(ids)
+    expected, expected_rope = build_page_table([pool.sequence(s) for s in ids], pool.page_size)
+    for name in ("indices", "indptr", "last_page_len", "first_page_offset", "request_pages", "seq_lens"):
+        got, want = getattr(table, name), getattr(expected, name)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), name
+        assert not got.flags.writeable, name
+    assert table.max_page_id == expected.max_page_id and table.page_size == pool.page_size
+    assert rope.dtype == np.int64 and rope.tolist() == expected_rope.tolist() and rope.flags.writeable
+    table.validate()
 
 
 # -- append and allocation -------------------------------------------------------
@@ -370,6 +385,206 @@ def test_pool_rejects_bad_sizes(args):
         BlockPool(*args)
 
 
+# -- advance: a decode step for many sequences at once ----------------------------
+
+
+def test_advance_grows_each_sequence_and_allocates_in_list_order():
+    pool = BlockPool(16, 4)
+    a, b, c = (pool.add_sequence() for _ in range(3))
+    pool.append(a, 3)                                 # page 0, one entry free
+    pool.append(b, 4)                                 # page 1, full
+    assert pool.advance([c, b, a], 1) is None         # c: page 2; b: page 3; a fills page 0
+    assert [pool.sequence(s) for s in (a, b, c)] == [
+        SequenceState((0,), 0, 4), SequenceState((1, 3), 0, 5), SequenceState((2,), 0, 1)]
+    pool.advance([a, b, c], [9, 0, 2])                # a: pages 4, 5, 6; b: nothing; c: page 2 only
+    assert [pool.sequence(s).pages for s in (a, b, c)] == [(0, 4, 5, 6), (1, 3), (2,)]
+    assert pool.sequence(a).length == 13 and pool.sequence(b).length == 5 and pool.sequence(c).length == 3
+    pool.advance(np.array([a, c]), np.int64(0))       # ids as an array; nothing to do
+    pool.advance([], 5)
+    check_invariants(pool)
+
+
+def test_advance_of_a_trimmed_sequence_starts_its_page_mid_block():
+    pool = BlockPool(8, 4)
+    s = pool.add_sequence()
+    pool.append(s, 6)
+    pool.trim_front(s, 6)                             # nothing visible; next token is 6 (entry 2)
+    pool.advance([s], [0])                            # no token, no page
+    assert pool.sequence(s) == SequenceState((), 6, 6) and pool.num_free == 8
+    pool.advance([s], 3)                              # tokens 6, 7 on page 0, 8 on page 1
+    assert pool.sequence(s) == SequenceState((0, 1), 6, 9)
+    assert_same_table(pool, [s])
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_advance_matches_appending_each_in_turn(page_size):
+    """Two pools given the same random history, one through advance and one
+    through append per sequence, end with the same pages, free list and
+    tables after every step."""
+    rng = np.random.default_rng(page_size)
+    by_step, by_seq = BlockPool(400, page_size), BlockPool(400, page_size)
+    ids: list[int] = []
+    for step in range(60):
+        if len(ids) < 12 and rng.random() < 0.3:
+            ids.append(by_step.add_sequence())
+            assert by_seq.add_sequence() == ids[-1]
+        if ids and rng.random() < 0.15:
+            s = ids.pop(int(rng.integers(len(ids))))
+            by_step.free(s)
+            by_seq.free(s)
+        batch = [int(x) for x in rng.permutation(ids)[: int(rng.integers(0, len(ids) + 1))]]
+        n = int(rng.integers(0, 3)) if rng.random() < 0.5 else rng.integers(0, 2 * page_size, len(batch))
+        counts = [n] * len(batch) if isinstance(n, int) else n.tolist()
+        by_step.advance(batch, n)
+        for s, k in zip(batch, counts):
+            by_seq.append(s, k)
+        assert snapshot(by_step)[:4] == snapshot(by_seq)[:4], step
+        assert_same_table(by_step, batch)
+        check_invariants(by_step)
+
+
+def test_advance_after_fork_writes_only_pages_it_owns():
+    """A fork shares full pages and copies a partial one, so the tokens of a
+    decode step over parent and child land on pages each holds alone."""
+    m = Model(16, 4)
+    a = m.add()
+    m.append(a, 6)
+    b, _ = m.fork(a)
+    c, _ = m.fork(a)
+    pool = m.pool
+    pool.advance([a, b, c], 3)                        # each: 2 entries of its own page 1 copy, then a new page
+    last_slots = set()
+    table, _ = pool.page_table([a, b, c])
+    for i in range(3):
+        page = int(table.indices[table.indptr[i + 1] - 1])
+        assert pool.refcount(page) == 1
+        last_slots.add(page)
+    assert len(last_slots) == 3
+    assert [pool.refcount(p) for p in pool.sequence(a).pages[:1]] == [3]   # the shared full page
+    check_invariants(pool)
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        (([0, 7], 1), KeyError, "unknown sequence id 7"),
+        (([0, [1]], 1), KeyError, "unknown sequence id"),
+        (([0, 1, 0], 1), ValueError, "seq_ids lists sequence 0 twice"),
+        (([0, 1], -1), ValueError, "n_tokens must be >= 0"),
+        (([0, 1], 1.0), ValueError, "n_tokens must be an int"),
+        (([0, 1], True), ValueError, "n_tokens must be an int"),
+        (([0, 1], [1, 2, 3]), ValueError, "n_tokens must be an int or 2 ints"),
+        (([0, 1], [1.0, 2.0]), ValueError, "n_tokens must be ints, got dtype float64"),
+        (([0, 1], [True, False]), ValueError, "n_tokens must be ints, got dtype bool"),
+        (([0, 1], [1, -2]), ValueError, "n_tokens must be >= 0, got -2"),
+        (([0, 1], 8), OutOfPagesError, "advancing 2 sequences: need 4, 2 of 5 free"),
+        (([0, 1], [0, 2**70]), OutOfPagesError, "need at least"),
+        (([0, 1], np.array([0, 2**63], dtype=np.uint64)), OutOfPagesError, "need at least"),
+    ],
+)
+def test_advance_refusals_change_nothing(args, exc, match):
+    pool, a, b = build_busy_pool()
+    before = snapshot(pool)
+    table, _ = pool.page_table([a, b])
+    with pytest.raises(exc, match=match):
+        pool.advance(*args)
+    assert snapshot(pool) == before
+    assert pool.page_table([a, b])[0] is table        # nothing changed: the same table
+    check_invariants(pool)
+
+
+# -- page_table: remembered per id list -------------------------------------------
+
+
+def test_page_table_returns_the_same_table_until_a_listed_sequence_changes():
+    pool = BlockPool(32, 4)
+    a, b, c = (pool.add_sequence() for _ in range(3))
+    pool.advance([a, b, c], [5, 2, 7])
+    t1, rope1 = pool.page_table([a, b])
+    t2, rope2 = pool.page_table((a, b))               # a tuple is the same list
+    assert t2 is t1 and rope2 is not rope1 and rope2.tolist() == [5, 2]
+    rope2[0] = 99                                     # the caller's copy
+    pool.append(c, 1)                                 # not listed: same table
+    assert pool.page_table([a, b])[0] is t1 and pool.page_table([a, b])[1].tolist() == [5, 2]
+    pool.advance([a], 1)
+    t3, _ = pool.page_table([a, b])
+    assert t3 is not t1 and t3.seq_lens.tolist() == [6, 2] and t1.seq_lens.tolist() == [5, 2]
+    assert_same_table(pool, [a, b])
+
+
+def test_page_table_after_a_freed_id_is_reused():
+    pool = BlockPool(32, 4)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    pool.advance([a, b], [6, 3])
+    old, _ = pool.page_table([a, b])
+    pool.free(a)
+    assert pool.add_sequence(a) == a                  # the same id, a new sequence (and row)
+    pool.append(a, 1)
+    table, rope = pool.page_table([a, b])
+    assert rope.tolist() == [1, 3] and table.seq_lens.tolist() == [1, 3]
+    assert old.seq_lens.tolist() == [6, 3]            # the old table is unchanged
+    assert_same_table(pool, [a, b])
+
+
+def test_page_table_of_a_sequence_twice_and_of_empty_sequences():
+    pool = BlockPool(16, 4)
+    a, b = pool.add_sequence(), pool.add_sequence()
+    pool.append(a, 5)
+    assert_same_table(pool, [a, b, a])
+    pool.advance([a, b], 1)
+    assert_same_table(pool, [a, b, a])
+    assert_same_table(pool, [])
+    assert_same_table(pool, None if False else [b])
+
+
+def test_long_windowed_sequence_keeps_its_pages_compact():
+    """A sliding window over many steps: the pages it drops return to the
+    pool and its page array is regrown from the visible ones only."""
+    pool = BlockPool(8, 2)
+    s = pool.add_sequence()
+    for step in range(500):
+        pool.advance([s], 1)
+        pool.apply_window(s, 5)
+        if step % 50 == 0:
+            assert_same_table(pool, [s])
+    assert pool.sequence(s) == SequenceState(pool.sequence(s).pages, 495, 500)
+    assert len(pool.sequence(s).pages) == 3 and pool.num_free == 5
+    assert len(pool._row_pages[pool._row_of_id[s]]) <= 64
+    check_invariants(pool)
+
+
+def test_random_decode_steps_keep_tables_exact():
+    """Many sequences (more than the size from which a new list reuses the
+    last table), decode steps with joins, leaves, forks, windows and
+    trims: every table the pool hands out equals build_page_table's."""
+    rng = np.random.default_rng(11)
+    m = Model(12000, 3)
+    live: list[int] = []
+    for _ in range(90):
+        live.append(m.add())
+        m.append(live[-1], int(rng.integers(1, 30)))
+    for step in range(120):
+        ids = list(live) if rng.random() < 0.7 else [int(x) for x in rng.permutation(live)[:80]]
+        m.pool.advance(ids, 1 if rng.random() < 0.8 else rng.integers(0, 5, len(ids)))
+        assert_same_table(m.pool, ids)
+        op = rng.random()
+        if op < 0.2:                                 # leave and join
+            gone = live.pop(int(rng.integers(len(live))))
+            m.pool.free(gone)
+            live.append(m.add())
+            m.append(live[-1], int(rng.integers(1, 20)))
+        elif op < 0.3:
+            live.append(m.fork(int(rng.choice(live)))[0])
+        elif op < 0.45:
+            m.pool.apply_window(int(rng.choice(live)), int(rng.integers(0, 12)))
+        elif op < 0.5:
+            s = int(rng.choice(live))
+            st = m.pool.sequence(s)
+            m.pool.trim_front(s, st.length - st.logical_start)   # fully trimmed
+        assert_same_table(m.pool, live)
+    check_invariants(m.pool)
+
+
 # -- apply_page_copies -------------------------------------------------------------
 
 
@@ -426,8 +641,8 @@ def test_random_operation_sequences_keep_invariants():
 
 
 def test_threads_keep_the_pool_consistent():
-    """Eight threads add, append to, fork, trim and free their own sequences
-    (and read the pool) at once: every call is atomic, so the only error is
+    """Eight threads add, append to, advance, fork, trim and free their own
+    sequences (and read the pool) at once: every call is atomic, so the only error is
     the documented OutOfPagesError and afterwards each page's refcount is the
     number of sequences holding it, and free + held pages are all pages.
     (A tiny switch interval forces interleavings inside calls.)"""
@@ -445,7 +660,7 @@ def test_threads_keep_the_pool_consistent():
         try:
             start.wait()
             for _ in range(400):
-                op = rng.randrange(7)
+                op = rng.randrange(8)
                 try:
                     if op == 0 or not mine:
                         mine.append(pool.add_sequence())
@@ -461,6 +676,8 @@ def test_threads_keep_the_pool_consistent():
                         pool.trim_front(s, rng.randint(0, st.length - st.logical_start))
                     elif op == 5:
                         pool.page_table(mine)
+                    elif op == 6:
+                        pool.advance(mine, rng.randint(0, 2))
                     else:
                         pool.num_free, pool.seq_ids, pool.refcount(rng.randrange(pool.num_pages))
                 except OutOfPagesError:
@@ -488,3 +705,4 @@ def test_threads_keep_the_pool_consistent():
     assert not set(free) & set(held)
     assert len(free) + len(held) == pool.num_pages
     assert [pool.refcount(p) for p in range(pool.num_pages)] == [held.get(p, 0) for p in range(pool.num_pages)]
+    check_invariants(pool)                            # and every table matches build_page_table
