@@ -140,8 +140,7 @@ def main(argv=None) -> int:
             if step:
                 churn(pool, rng, args.max_batch, server.caches)
             ids = pool.seq_ids
-            for sid in ids:  # this step's token of every request
-                pool.append(sid, 1)
+            pool.advance(ids, 1)  # this step's token of every request
             table, _ = pool.page_table(ids)
             server.runner.plan(table)
             host_us.append((time.perf_counter() - t0) * 1e6)
