@@ -91,11 +91,11 @@ for s in $steps; do case $s in
            run memcheck_runtime 150 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py -k 'not two_devices'" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
-      for r in 1 2; do
+      for r in $(seq "${AB_ROUNDS:-2}"); do
         run ab_old$r 150 "PYTHONPATH=$PWD/.ab/old python3 .ab/old/scripts/ab_trees.py --label old --cells $cells --csv $work/ab_old$r.csv"
         run ab_new$r 150 "python3 scripts/ab_trees.py --label new --cells $cells --csv $work/ab_new$r.csv"
       done
-      run ab_compare 30 "python3 scripts/ab_trees.py --compare $work/ab_old1.csv $work/ab_old2.csv -- $work/ab_new1.csv $work/ab_new2.csv"
+      run ab_compare 30 "python3 scripts/ab_trees.py --compare $work/ab_old*.csv -- $work/ab_new*.csv"
       cat "$work/ab_compare.log" ;;
   profile) run ncu 150 "ncu --clock-control none -k regex:paged_decode_partial --launch-skip 3 --launch-count 1 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats python3 scripts/microbench.py --batch 8 --ctx 32768 --methods v2 --reps 1 --iters 4 --host-iters 1 --out-dir $work/prof" ;;
 esac; done
