@@ -1,11 +1,10 @@
 """Dispatch: one decode call -> checks, then the v2, v1 or gather path.
 
-v2 is one launch of the split-KV partial kernel. A request with one chunk is
+v2 is one launch of the split-KV partial kernel (its launch state is
+cupaged/_launch.py's, per plan, device and stream). A request with one chunk is
 written straight into ``out``; a request with several chunks writes float32
 partials that the last of its CTAs merges (an atomic ticket, merge fused into
-the same launch). Whether any request splits is known on the host from the
-plan (``plan.needs_merge``): only then are the workspace and ticket counters
-allocated and passed. Every output element is written by exactly one CTA, so
+the same launch). Every output element is written by exactly one CTA, so
 ``out`` never keeps uninitialised memory. The standalone merge kernel
 (:func:`cupaged.merge_states`) is the reusable public half.
 """
@@ -456,11 +455,16 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             must be ``< num_pages``.
         plan: a :class:`DecodePlan` from :func:`plan_decode` for this table
             and shapes, held across decode steps while ``plan.matches(table)``.
-            Built here when None (host cost every call). A plan owns its merge
-            workspace: order the calls that share a plan on one stream. With a
-            held plan, a v2 call like the previous one (same table object,
-            shapes, strides, dtypes, device, method and sm_scale; no soft cap,
-            k/v scales or HND) skips the input checks and only swaps pointers.
+            Built here when None (host cost every call). A plan gets its own
+            launch state (workspace, and a device copy of the plan and the
+            table) per device and stream, so it may serve several GPUs and
+            streams. A CUDA graph that captured a v2 call reads that state: it
+            decodes the table of the plan's latest call on that stream (for
+            one graph over changing tables, use :class:`cupaged.DecodeRunner`).
+            With a held plan, a v2 call like the previous one (same table
+            object, shapes, strides, dtypes, device, stream, method, sm_scale,
+            soft cap, k/v scales and layout) skips the input checks and only
+            swaps pointers.
         method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides; else v2),
             ``"v2"`` (split-KV, merge fused), ``"v1"`` (one CTA per request
             and query head) or ``"gather"`` (CuPy + cuBLAS). The kernels
