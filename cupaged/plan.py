@@ -309,7 +309,19 @@ def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) 
     name = _configs.dtype_name(dtype)
     variant = name if kv_dtype == dtype else f"{name}+{_configs.FP8}"
     try:
-        core = _configs.choose_core(variant, head_dim, _env.core())
+        requested = _env.core()  # read at call time; a bad value means no kernel serves (as below)
+    except ValueError:
+        return CTAS_PER_SM
+    return _resident_ctas(variant, head_dim, heads, requested)
+
+
+@functools.lru_cache(maxsize=64)
+def _resident_ctas(variant: str, head_dim: int, heads: int, requested: str | None) -> int:
+    """:func:`ctas_per_sm` of a kernel variant and a core request: a
+    function of the fixed tables in _configs, cached (every default plan
+    asks)."""
+    try:
+        core = _configs.choose_core(variant, head_dim, requested)
     except ValueError:
         return CTAS_PER_SM
     if core == "mma":
@@ -727,17 +739,19 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if num_sms is not None:
         num_sms = _positive_int(num_sms, "num_sms")
 
-    if not (hasattr(table, "batch_size") and hasattr(table, "page_size") and hasattr(table, "request_pages")):
+    try:
+        batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
+    except AttributeError:
         raise ArgumentTypeError(
             f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
-            f"got {type(table).__name__}")
-    batch = int(table.batch_size)
+            f"got {type(table).__name__}") from None
+    batch = int(batch)
     if batch < 1:
         raise InvalidArgumentError(
             "table has batch size 0: there is nothing to plan (a plan's grid "
             "must be launchable)")
-    page_size = int(table.page_size)
-    pages = np.asarray(table.request_pages)
+    page_size = int(page_size)
+    pages = np.asarray(pages)
     if pages.dtype != np.int32:  # a PageTable's are int32 (the plan's own dtype); else as int64
         pages = pages.astype(np.int64)
     if pages.shape != (batch,):
@@ -745,14 +759,13 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             f"table.request_pages must have shape ({batch},), got {pages.shape}")
 
     group = hq // hkv
-    hpc = heads_per_cta(group)
+    hpc = _heads_per_cta(group)
     q_groups = group // hpc
     grid_y = hkv * q_groups
     target, chunk_pages, req_chunks = _chunking(
         pages, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk,
         target_ctas, num_sms)
-    ends = np.add.accumulate(req_chunks)  # each request's chunks end here (int32 sums come back int64)
-    n = int(ends[-1])
+    n = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
     if n * grid_y > MAX_GRID_X:
         raise InvalidArgumentError(
             f"{n} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
@@ -772,7 +785,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         "pages_per_chunk": longest_chunk,
         "target_ctas": int(target),
         "num_chunks": n,
-        **_chunk_layout(pages, chunk_pages, req_chunks, ends),
+        **_chunk_layout(pages, chunk_pages, req_chunks, n),
         "heads_groups": grid_y,
         "num_ctas": n * grid_y,
         "grid": (n * grid_y, 1, 1),
@@ -821,6 +834,12 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     return target, chunk_pages, chunks
 
 
+@functools.lru_cache(maxsize=64)
+def _heads_per_cta(group: int) -> int:
+    """:func:`heads_per_cta` of a group size already checked, cached."""
+    return heads_per_cta(group)
+
+
 def _target_and_sms(target_ctas: int | None, num_sms: int | None) -> tuple[int, int | None]:
     """``(resolve_target_ctas(target_ctas, num_sms), SM count)``, the SM count
     None when the target is explicit (the argument, else env
@@ -834,26 +853,27 @@ def _target_and_sms(target_ctas: int | None, num_sms: int | None) -> tuple[int, 
 
 
 def _chunk_layout(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.ndarray,
-                  ends: np.ndarray) -> dict[str, np.ndarray]:
-    """The plan's arrays (fields of :class:`DecodePlan`): request ``i`` in
-    ``req_chunks[i]`` chunks of ``chunk_pages[i]`` pages, its chunks ending
-    at ``ends[i]`` (the cumulative sum): fresh, read-only int32 arrays.
+                  n: int) -> dict[str, np.ndarray]:
+    """The plan's arrays (fields of :class:`DecodePlan`) of ``n`` chunks,
+    request ``i`` in ``req_chunks[i]`` chunks of ``chunk_pages[i]`` pages:
+    fresh, read-only int32 arrays.
 
     The inputs are int32 from a PageTable (int64 from another table): a
     chunk's first page ``chunk_index * chunk_size`` is below its request's
     pages, so no value here passes them, and every index stays below ``n``,
     which the grid limit keeps under 2**31."""
-    batch, n = pages.shape[0], int(ends[-1])
-    if n == batch:  # no request is split: chunk i is request i, as long as it
+    batch = pages.shape[0]
+    if n == batch:  # no request is split: chunk i is all of request i
         chunk_request = np.arange(batch, dtype=np.int32)
         o_indptr = np.arange(batch + 1, dtype=np.int32)
         chunk_index = np.zeros(batch, dtype=np.int32)
         key = -pages
     else:
-        o_indptr, chunk_request, chunk_index, key = _split_chunks(pages, chunk_pages, req_chunks, ends)
+        o_indptr, chunk_request, chunk_index, key = _split_chunks(pages, chunk_pages, req_chunks, n)
+    if req_chunks.dtype != np.int32:  # (from a table whose request_pages are not int32)
+        req_chunks, chunk_pages = req_chunks.astype(np.int32), chunk_pages.astype(np.int32)
     arrays = dict(o_indptr=o_indptr, chunk_request=chunk_request, chunk_index=chunk_index,
-                  request_chunks=req_chunks.astype(np.int32, copy=False),
-                  request_chunk_pages=chunk_pages.astype(np.int32, copy=False),
+                  request_chunks=req_chunks, request_chunk_pages=chunk_pages,
                   launch_order=key.argsort(kind="stable").astype(np.int32))  # longest first, ties in chunk order
     for a in arrays.values():
         a.setflags(write=False)
@@ -861,15 +881,15 @@ def _chunk_layout(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.nda
 
 
 def _split_chunks(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.ndarray,
-                  ends: np.ndarray) -> tuple[np.ndarray, ...]:
+                  n: int) -> tuple[np.ndarray, ...]:
     """``(o_indptr, chunk_request, chunk_index, key)`` of :func:`_chunk_layout`
     where some request has several chunks; ``key`` is minus each chunk's
     length (its pages, the last one's rest)."""
     o_indptr = np.zeros(pages.shape[0] + 1, dtype=np.int32)
-    o_indptr[1:] = ends
+    np.add.accumulate(req_chunks, out=o_indptr[1:])  # (np.cumsum's wrapper costs ~1 µs)
     # each chunk's request as intp: NumPy indexes with it ~4x faster than with int32
     request = _arange(pages.shape[0]).repeat(req_chunks)
-    chunk_index = np.arange(ends[-1], dtype=np.int32)
+    chunk_index = np.arange(n, dtype=np.int32)
     chunk_index -= o_indptr[request]
     chunk_size = chunk_pages[request]
     key = chunk_index * chunk_size
@@ -878,10 +898,11 @@ def _split_chunks(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.nda
     return o_indptr, request.astype(np.int32), chunk_index, key
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _arange(n: int) -> np.ndarray:
     """``np.arange(n)`` (intp), read-only: an operand only, never a plan's
-    own array; cached per batch size."""
+    own array; cached per batch size (it repeats from one decode step to
+    the next)."""
     a = np.arange(n)
     a.setflags(write=False)
     return a

@@ -158,15 +158,14 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
     pages = np.asarray(pages)
     if pages.dtype.kind not in "iu":
         pages = pages.astype(np.int64)
-    # One sort of the integers gives the longest request (exactly) and the
-    # model's length order; converting after sorting keeps the order.
-    ascending = pages.copy()
-    ascending.sort()
-    first = int(ascending[-1]) if ascending.size else 0
+    length = pages.astype(np.float64)
+    length.sort()  # one sort: the model's length order, and the longest request
+    first = int(length[-1]) if length.size else 0
+    if first >= 2**53:  # (a float64 holds every page count below 2**53 exactly)
+        first = int(pages.max())
     caps, caps_float, group_ctas, merge, constants = _ladder_setup(
         first, max(1, int(min_pages)), pages.size, ctas_per_chunk, slots, page_bytes, costs)
-    t = _step_us(_pool(ascending[::-1].astype(np.float64)), group_ctas, caps_float, constants, merge,
-                 some_empty=ascending[0] <= 0)
+    t = _step_us(_pool(length[::-1]), group_ctas, caps_float, constants, merge, some_empty=length[0] <= 0)
     return int(caps[t.argmin()])
 
 
@@ -212,12 +211,12 @@ def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _C
         np.maximum(per_request, one, out=per_request)
     unit_bytes = length / per_request
     np.ceil(unit_bytes, out=unit_bytes)
-    unit_bytes *= page_bytes                                       # bytes one CTA of the group reads
+    unit_bytes *= page_bytes                                         # bytes one CTA of the group reads
     ctas = per_request                                               # (chunk counts: not read again)
     ctas *= group_ctas
     n_prefix = np.add.accumulate(ctas, axis=0)                       # (np.cumsum's wrapper costs ~1 µs)
     unit_full = unit_bytes * inv_rate
-    unit_full += cta_us                                            # µs of a CTA on a full device
+    unit_full += cta_us                                              # µs of a CTA on a full device
     ctas *= unit_full                                                # (CTA counts: not read again)
     work = np.add.reduce(ctas, axis=0)
     work /= slots
@@ -249,6 +248,8 @@ def _merge_us(longest: float, caps: np.ndarray, costs: StepCosts) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _model_constants(costs: StepCosts, slots: int, page_bytes: int) -> _Constants:
+    """The :class:`_Constants` of a device (``slots``), KV format
+    (``page_bytes``) and cost table; cached."""
     def const(value) -> np.ndarray:
         arr = np.array(value, dtype=np.float64)
         arr.flags.writeable = False
@@ -260,6 +261,8 @@ def _model_constants(costs: StepCosts, slots: int, page_bytes: int) -> _Constant
 
 
 class _Setup(NamedTuple):
+    """What :func:`_ladder_setup` caches."""
+
     caps: np.ndarray         # the ladder, int64 [K]
     caps_float: np.ndarray   # and as float64
     group_ctas: np.ndarray   # [G, K]

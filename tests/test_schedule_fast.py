@@ -357,6 +357,8 @@ def test_choose_max_pages_per_chunk_is_the_reference():
         pages, cpc, slots, page_bytes, min_pages, costs = random_model_args(rng)
         if trial % 3 == 0:
             pages = pages.astype(np.int32)  # a table's request_pages
+        elif trial % 10 == 1:
+            pages = pages + 0.5  # floats are truncated, as before
         got = schedule.choose_max_pages_per_chunk(pages, cpc, slots, page_bytes, min_pages, costs)
         want = ref_choose_max_pages_per_chunk(pages, cpc, slots, page_bytes, min_pages, costs)
         assert type(got) is int and got == want, trial
@@ -409,8 +411,8 @@ def test_the_comparison_catches_a_perturbed_fast_path(no_env, monkeypatch):
         assert corpus_mismatches(limit=1)
     split = plan_mod._split_chunks
 
-    def uncapped_key(pages, chunk_pages, req_chunks, ends):  # every chunk keyed as if it were the last
-        o_indptr, chunk_request, chunk_index, _ = split(pages, chunk_pages, req_chunks, ends)
+    def uncapped_key(pages, chunk_pages, req_chunks, n):  # every chunk keyed as if it were the last
+        o_indptr, chunk_request, chunk_index, _ = split(pages, chunk_pages, req_chunks, n)
         return o_indptr, chunk_request, chunk_index, chunk_index * chunk_pages[chunk_request] - pages[chunk_request]
 
     with monkeypatch.context() as mp:
