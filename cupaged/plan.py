@@ -309,7 +309,7 @@ def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) 
     name = _configs.dtype_name(dtype)
     variant = name if kv_dtype == dtype else f"{name}+{_configs.FP8}"
     try:
-        requested = _env.core()  # read at call time; a bad value means no kernel serves (as below)
+        requested = _env.core()  # read every call (a malformed value gives the default, as before)
     except ValueError:
         return CTAS_PER_SM
     return _resident_ctas(variant, head_dim, heads, requested)
