@@ -19,6 +19,7 @@ the SM count of the current device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any
 
@@ -308,7 +309,19 @@ def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) 
     name = _configs.dtype_name(dtype)
     variant = name if kv_dtype == dtype else f"{name}+{_configs.FP8}"
     try:
-        core = _configs.choose_core(variant, head_dim, _env.core())
+        requested = _env.core()  # read every call (a malformed value gives the default, as before)
+    except ValueError:
+        return CTAS_PER_SM
+    return _resident_ctas(variant, head_dim, heads, requested)
+
+
+@functools.lru_cache(maxsize=64)
+def _resident_ctas(variant: str, head_dim: int, heads: int, requested: str | None) -> int:
+    """:func:`ctas_per_sm` of a kernel variant and a core request: a
+    function of the fixed tables in _configs, cached (every default plan
+    asks)."""
+    try:
+        core = _configs.choose_core(variant, head_dim, requested)
     except ValueError:
         return CTAS_PER_SM
     if core == "mma":
@@ -396,12 +409,6 @@ def _readonly_int32(arr: Any, name: str) -> np.ndarray:
     a = np.array(a, dtype=np.int32, copy=True, order="C")
     a.flags.writeable = False
     return a
-
-
-def _frozen_int32(a: np.ndarray) -> np.ndarray:
-    out = a.astype(np.int32)  # a new array, owned by the plan
-    out.flags.writeable = False
-    return out
 
 
 _ARRAY_FIELDS = ("chunk_request", "chunk_index", "o_indptr", "request_chunks", "request_chunk_pages",
@@ -527,6 +534,22 @@ class DecodePlan:
         object.__setattr__(self, "deterministic", bool(self.deterministic))
         object.__setattr__(self, "grid", tuple(int(v) for v in self.grid))
 
+    @classmethod
+    def _from_plan_decode(cls, fields: dict[str, Any]) -> DecodePlan:
+        """The plan of :func:`plan_decode`'s own values (every field, by
+        name), which are already what ``__post_init__`` makes of them (fresh
+        read-only C-contiguous int32 arrays, canonical dtypes, an int tuple
+        grid): its checks, and the frozen ``__init__``'s
+        ``object.__setattr__`` per field, would change nothing and cost ~5 µs
+        a plan. tests/test_schedule_fast.py compares every field with the
+        ordinary constructor's."""
+        if fields.keys() != _FIELD_NAMES:
+            raise TypeError(f"DecodePlan fields {sorted(_FIELD_NAMES ^ fields.keys())} missing or unknown")
+        plan = object.__new__(cls)
+        plan.__dict__.update(fields)
+        _validate.trust_plan(plan)  # consistent by construction: decode skips its structural check
+        return plan
+
     # -- reuse across decode steps -----------------------------------------
     def matches(self, table: Any) -> bool:
         """True when this plan can serve ``table``: same batch size and page
@@ -586,6 +609,9 @@ class DecodePlan:
 
             raise PlanMismatchError(f"plan does not match the page table "
                                     f"({plan_mismatch_reason(self, table)}); build a new plan")
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(DecodePlan))
 
 
 def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
@@ -714,91 +740,170 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if num_sms is not None:
         num_sms = _positive_int(num_sms, "num_sms")
 
-    if not all(hasattr(table, a) for a in ("batch_size", "page_size", "request_pages")):
+    try:
+        batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
+    except AttributeError:
         raise ArgumentTypeError(
             f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
-            f"got {type(table).__name__}")
-    batch = int(table.batch_size)
+            f"got {type(table).__name__}") from None
+    batch = int(batch)
     if batch < 1:
         raise InvalidArgumentError(
             "table has batch size 0: there is nothing to plan (a plan's grid "
             "must be launchable)")
-    page_size = int(table.page_size)
-    pages = np.asarray(table.request_pages, dtype=np.int64)
+    page_size = int(page_size)
+    pages = np.asarray(pages)
+    if pages.dtype != np.int32:  # a PageTable's are int32 (the plan's own dtype); else as int64
+        pages = pages.astype(np.int64)
     if pages.shape != (batch,):
         raise InvalidArgumentError(
             f"table.request_pages must have shape ({batch},), got {pages.shape}")
 
     group = hq // hkv
-    hpc = heads_per_cta(group)
+    hpc = _heads_per_cta(group)
     q_groups = group // hpc
     grid_y = hkv * q_groups
+    target, chunk_pages, req_chunks = _chunking(
+        pages, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk,
+        target_ctas, num_sms)
+    n = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
+    if n * grid_y > MAX_GRID_X:
+        raise InvalidArgumentError(
+            f"{n} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
+            f"(grid x); raise pages_per_chunk")
+    needs_merge = n > batch  # every request has at least one chunk
+    longest_chunk = int(np.maximum.reduce(chunk_pages))
+    return DecodePlan._from_plan_decode({
+        "batch_size": batch,
+        "num_qo_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": d,
+        "page_size": page_size,
+        "dtype": dt,
+        "group_size": group,
+        "heads_per_cta": hpc,
+        "q_groups": q_groups,
+        "pages_per_chunk": longest_chunk,
+        "target_ctas": int(target),
+        "num_chunks": n,
+        **_chunk_layout(pages, chunk_pages, req_chunks, n),
+        "heads_groups": grid_y,
+        "num_ctas": n * grid_y,
+        "grid": (n * grid_y, 1, 1),
+        "needs_merge": needs_merge,
+        "workspace_bytes": (n * hq * d + n * hq) * 4 if needs_merge else 0,
+        "kv_dtype": kv_dt,
+        "deterministic": bool(deterministic),
+    })
 
-    target = resolve_target_ctas(target_ctas, num_sms)
+
+def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
+              deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
+              target_ctas: int | None, num_sms: int | None) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(target_ctas, chunk_pages, chunks)`` of :func:`plan_decode` (its
+    arguments already checked): the CTA target, and each request's chunk
+    size and count, in the dtype of ``pages``."""
+    target, sms = _target_and_sms(target_ctas, num_sms)
     if pages_per_chunk is not None:
         c = pages_per_chunk
     elif max_pages_per_chunk is not None:
         c = None
     elif deterministic:
         c = deterministic_pages_per_chunk(page_size)  # the batch and the device play no part
-    elif target_ctas is not None or _env_positive_int(ENV_TARGET_CTAS) is not None:
-        c = choose_pages_per_chunk(pages, grid_y, target)  # an explicit target: the plain search
+    elif sms is None:  # an explicit target (argument or env): the plain search
+        c = choose_pages_per_chunk(pages, grid_y, target)
     else:
-        slots = ctas_per_sm(dt, kv_dt, d, hpc) * resolve_num_sms(num_sms)
+        slots = ctas_per_sm(dt, kv_dt, d, hpc) * sms
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         max_pages_per_chunk = schedule.choose_max_pages_per_chunk(
             pages, grid_y, slots, page_bytes, -(-MIN_CHUNK_TOKENS // page_size))
         c = None
+    # max(1, ceil(p / c)) == below // c + 1: for p >= 1 (p - 1) // c + 1 is
+    # ceil(p / c), and an empty request has below = 0 (one chunk). Two passes
+    # each, in the table's int32 (c <= 2**31 - 1 and p < 2**31 cannot overflow).
+    below = np.maximum(pages, 1)
+    below -= 1
     if c is None:  # balanced: each request in equal chunks of at most max_pages_per_chunk
-        chunk_pages, req_chunks = schedule.split_pages(pages, max_pages_per_chunk)
+        chunks = below // max_pages_per_chunk
+        chunks += 1
+        chunk_pages = below // chunks  # schedule.split_pages, in place
+        chunk_pages += 1
     else:  # uniform: every request in chunks of c pages
-        req_chunks = _chunks_per_request(pages, c)
-        chunk_pages = np.full(batch, c, dtype=np.int64)
-    n = int(req_chunks.sum())
-    if n * grid_y > MAX_GRID_X:
-        raise InvalidArgumentError(
-            f"{n} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
-            f"(grid x); raise pages_per_chunk")
-    o_indptr = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum(req_chunks, out=o_indptr[1:])
-    chunk_request = np.repeat(np.arange(batch, dtype=np.int64), req_chunks)
-    chunk_index = np.arange(n, dtype=np.int64) - o_indptr[chunk_request]
-    # Longest chunks first (a chunk's length: its pages, the last one's rest).
-    chunk_size = chunk_pages[chunk_request]
-    launch_order = np.argsort(np.maximum(chunk_index * chunk_size - pages[chunk_request], -chunk_size),
-                              kind="stable")
-    needs_merge = bool(int(req_chunks.max()) > 1)
-    workspace = (n * hq * d + n * hq) * 4 if needs_merge else 0
-    c = int(chunk_pages.max())
-    o_indptr, chunk_request, chunk_index, req_chunks, chunk_pages, launch_order = (
-        _frozen_int32(a) for a in (o_indptr, chunk_request, chunk_index, req_chunks, chunk_pages, launch_order))
+        chunks = below // c
+        chunks += 1
+        chunk_pages = np.full(pages.shape[0], c, dtype=pages.dtype)
+    return target, chunk_pages, chunks
 
-    plan = DecodePlan(
-        batch_size=batch,
-        num_qo_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        page_size=page_size,
-        dtype=dt,
-        group_size=group,
-        heads_per_cta=hpc,
-        q_groups=q_groups,
-        pages_per_chunk=int(c),
-        target_ctas=int(target),
-        num_chunks=n,
-        chunk_request=chunk_request,
-        chunk_index=chunk_index,
-        o_indptr=o_indptr,
-        request_chunks=req_chunks,
-        request_chunk_pages=chunk_pages,
-        launch_order=launch_order,
-        heads_groups=grid_y,
-        num_ctas=n * grid_y,
-        grid=(n * grid_y, 1, 1),
-        needs_merge=needs_merge,
-        workspace_bytes=workspace,
-        kv_dtype=kv_dt,
-        deterministic=bool(deterministic),
-    )
-    _validate.trust_plan(plan)  # consistent by construction: decode skips its structural check
-    return plan
+
+@functools.lru_cache(maxsize=64)
+def _heads_per_cta(group: int) -> int:
+    """:func:`heads_per_cta` of a group size already checked, cached."""
+    return heads_per_cta(group)
+
+
+def _target_and_sms(target_ctas: int | None, num_sms: int | None) -> tuple[int, int | None]:
+    """``(resolve_target_ctas(target_ctas, num_sms), SM count)``, the SM count
+    None when the target is explicit (the argument, else env
+    ``CUPAGED_TARGET_CTAS``): then no SM count is looked up. Each source is
+    read once (the default plan needs both, and a device query is not free)."""
+    target = target_ctas if target_ctas is not None else _env.target_ctas()
+    if target is not None:
+        return target, None
+    sms = resolve_num_sms(num_sms)
+    return default_target_ctas(sms), sms
+
+
+def _chunk_layout(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.ndarray,
+                  n: int) -> dict[str, np.ndarray]:
+    """The plan's arrays (fields of :class:`DecodePlan`) of ``n`` chunks,
+    request ``i`` in ``req_chunks[i]`` chunks of ``chunk_pages[i]`` pages:
+    fresh, read-only int32 arrays.
+
+    The inputs are int32 from a PageTable (int64 from another table): a
+    chunk's first page ``chunk_index * chunk_size`` is below its request's
+    pages, so no value here passes them, and every index stays below ``n``,
+    which the grid limit keeps under 2**31."""
+    batch = pages.shape[0]
+    if n == batch:  # no request is split: chunk i is all of request i
+        chunk_request = np.arange(batch, dtype=np.int32)
+        o_indptr = np.arange(batch + 1, dtype=np.int32)
+        chunk_index = np.zeros(batch, dtype=np.int32)
+        key = -pages
+    else:
+        o_indptr, chunk_request, chunk_index, key = _split_chunks(pages, chunk_pages, req_chunks, n)
+    if req_chunks.dtype != np.int32:  # (from a table whose request_pages are not int32)
+        req_chunks, chunk_pages = req_chunks.astype(np.int32), chunk_pages.astype(np.int32)
+    arrays = dict(o_indptr=o_indptr, chunk_request=chunk_request, chunk_index=chunk_index,
+                  request_chunks=req_chunks, request_chunk_pages=chunk_pages,
+                  launch_order=key.argsort(kind="stable").astype(np.int32))  # longest first, ties in chunk order
+    for a in arrays.values():
+        a.setflags(write=False)
+    return arrays
+
+
+def _split_chunks(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.ndarray,
+                  n: int) -> tuple[np.ndarray, ...]:
+    """``(o_indptr, chunk_request, chunk_index, key)`` of :func:`_chunk_layout`
+    where some request has several chunks; ``key`` is minus each chunk's
+    length (its pages, the last one's rest)."""
+    o_indptr = np.zeros(pages.shape[0] + 1, dtype=np.int32)
+    np.add.accumulate(req_chunks, out=o_indptr[1:])  # (np.cumsum's wrapper costs ~1 µs)
+    # each chunk's request as intp: NumPy indexes with it ~4x faster than with int32
+    request = _arange(pages.shape[0]).repeat(req_chunks)
+    chunk_index = np.arange(n, dtype=np.int32)
+    chunk_index -= o_indptr[request]
+    chunk_size = chunk_pages[request]
+    key = chunk_index * chunk_size
+    key -= pages[request]
+    np.maximum(key, -chunk_size, out=key)
+    return o_indptr, request.astype(np.int32), chunk_index, key
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)`` (intp), read-only: an operand only, never a plan's
+    own array; cached per batch size (it repeats from one decode step to
+    the next)."""
+    a = np.arange(n)
+    a.setflags(write=False)
+    return a

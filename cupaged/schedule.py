@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import numpy as np
 
@@ -106,11 +107,13 @@ def candidate_caps(longest: int, min_pages: int) -> np.ndarray:
     >>> candidate_caps(4, 8).tolist()
     [4]
     """
-    return _candidate_caps(max(1, int(longest)), max(1, int(min_pages)))
+    return _ladder(max(1, int(longest)), max(1, int(min_pages)))[0]
 
 
 @functools.lru_cache(maxsize=256)
-def _candidate_caps(longest: int, min_pages: int) -> np.ndarray:
+def _ladder(longest: int, min_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """The caps of :func:`candidate_caps`, as int64 and as float64 (what the
+    model divides by); cached, read-only, shared by every caller."""
     floor = min(min_pages, longest)
     counts = list(range(1, SPLITS + 1))
     n = float(SPLITS)
@@ -119,8 +122,9 @@ def _candidate_caps(longest: int, min_pages: int) -> np.ndarray:
         counts.append(int(round(n)))
     caps = -(-longest // np.array(counts, dtype=np.int64))
     caps = np.unique(np.clip(caps, floor, longest))[::-1].copy()
-    caps.flags.writeable = False  # cached: shared by every caller
-    return caps
+    caps_float = caps.astype(np.float64)
+    caps.flags.writeable = caps_float.flags.writeable = False
+    return caps, caps_float
 
 
 def predict_step_us(pages: np.ndarray, caps: np.ndarray, ctas_per_chunk: int, slots: int,
@@ -138,26 +142,147 @@ def predict_step_us(pages: np.ndarray, caps: np.ndarray, ctas_per_chunk: int, sl
     2
     """
     length, weight = _groups(pages)
+    caps = np.asarray(caps, dtype=np.float64)
+    return _step_us(length, (weight * ctas_per_chunk)[:, None], caps, _model_constants(costs, slots, page_bytes),
+                    _merge_us(length[0], caps, costs))
+
+
+def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: int, page_bytes: int,
+                               min_pages: int, costs: StepCosts = H200_COSTS) -> int:
+    """The chunk cap of :func:`candidate_caps` with the least
+    :func:`predict_step_us` (the largest one among ties: fewer merges).
+
+    >>> choose_max_pages_per_chunk(np.array([2048] * 4), 8, 264, 16 * 512, 8)  # 8 chunks each: 256 CTAs
+    256
+    """
+    pages = np.asarray(pages)
+    if pages.dtype.kind not in "iu":
+        pages = pages.astype(np.int64)
+    length = pages.astype(np.float64)
+    length.sort()  # one sort: the model's length order, and the longest request
+    first = int(length[-1]) if length.size else 0
+    if first >= 2**53:  # (a float64 holds every page count below 2**53 exactly)
+        first = int(pages.max())
+    caps, caps_float, group_ctas, merge, constants = _ladder_setup(
+        first, max(1, int(min_pages)), pages.size, ctas_per_chunk, slots, page_bytes, costs)
+    t = _step_us(_pool(length[::-1]), group_ctas, caps_float, constants, merge, some_empty=length[0] <= 0)
+    return int(caps[t.argmin()])
+
+
+# --------------------------------------------------------------------------
+# the model, fast: the plain formulas are in tests/test_schedule_fast.py
+# --------------------------------------------------------------------------
+class _Constants(NamedTuple):
+    """The model's scalars for one device and KV format, as 0-d float64
+    arrays: NumPy takes one ~0.1 µs faster than a Python float (no scalar
+    conversion per call), and the values are the same doubles."""
+
+    page_bytes: np.ndarray
+    inv_rate: np.ndarray     # µs per byte of a CTA on a full device
+    cta_us: np.ndarray
+    slots: np.ndarray
+    inv_slots: np.ndarray
+    hbm_share: np.ndarray    # µs per byte per concurrent CTA of a partial wave (HBM-bound)
+    cta_alone: np.ndarray    # µs per byte of a lone CTA
+    one: np.ndarray
+    zero: np.ndarray
+
+
+def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _Constants, merge: np.ndarray,
+             some_empty: bool = True) -> np.ndarray:
+    """:func:`predict_step_us` of the groups of :func:`_groups`: ``length``
+    ``[G]``, ``group_ctas`` (a group's requests times CTAs per chunk,
+    ``[G, 1]`` or ``[G, K]``), float64 ``caps``, the constants and the
+    ``merge`` term (:func:`_merge_us`) of the caps. ``some_empty=False``
+    promises that every group has a chunk at every cap (lengths > 0, caps
+    finite and >= 1), which makes the at-least-one-chunk pass a no-op.
+
+    The model runs on every default plan (~40 caps x 32 groups), where a
+    NumPy call costs more than its elements: each formula is one pass, in
+    place into an array that is not read again. The operations and their
+    operand order are the plain formulas', so the result is bitwise theirs.
+    """
+    # (locals: an attribute lookup per use would cost ~0.5 µs in all)
+    page_bytes, inv_rate, cta_us, slots, inv_slots, hbm_share, cta_alone, one, zero = k
     length = length[:, None]                                         # [G, 1] against caps [K]
-    chunks = np.ceil(length / np.asarray(caps, dtype=np.float64))   # [G, K] (0 for an empty request)
-    per_request = np.maximum(chunks, 1.0)
-    unit_bytes = np.ceil(length / per_request)
-    unit_bytes *= float(page_bytes)                                  # bytes one CTA of the group reads
-    ctas = per_request * (weight * ctas_per_chunk)[:, None]
-    n_prefix = np.cumsum(ctas, axis=0)
-    unit_full = unit_bytes * (1.0 / _rate(costs, slots))
-    unit_full += costs.cta_us                                        # µs of a CTA on a full device
-    work = (ctas * unit_full).sum(axis=0) / slots
+    per_request = length / caps                                      # [G, K]
+    np.ceil(per_request, out=per_request)                            # chunks (0 for an empty request)
+    if some_empty:
+        np.maximum(per_request, one, out=per_request)
+    unit_bytes = length / per_request
+    np.ceil(unit_bytes, out=unit_bytes)
+    unit_bytes *= page_bytes                                         # bytes one CTA of the group reads
+    ctas = per_request                                               # (chunk counts: not read again)
+    ctas *= group_ctas
+    n_prefix = np.add.accumulate(ctas, axis=0)                       # (np.cumsum's wrapper costs ~1 µs)
+    unit_full = unit_bytes * inv_rate
+    unit_full += cta_us                                              # µs of a CTA on a full device
+    ctas *= unit_full                                                # (CTA counts: not read again)
+    work = np.add.reduce(ctas, axis=0)
+    work /= slots
     # every prefix of the CTAs (longest first): its shortest CTAs in full
     # waves, and a partial last wave that runs at the rate of its own count
-    waves = np.floor(n_prefix * (1.0 / slots))
-    rest = n_prefix - waves * slots
-    partial = unit_bytes * np.maximum(1e-3 / costs.cta_gbps, rest * (1e-3 / costs.hbm_gbps))
-    partial += costs.cta_us
-    partial *= rest > 0
-    bound = np.maximum((waves * unit_full + partial).max(axis=0), work)
-    most = chunks[0]
-    return bound + (most > 1) * (costs.merge_us + costs.merge_us_per_chunk * most)
+    waves = n_prefix * inv_slots
+    np.floor(waves, out=waves)
+    rest = waves * slots
+    np.subtract(n_prefix, rest, out=rest)
+    partial = rest * hbm_share
+    np.maximum(cta_alone, partial, out=partial)
+    partial *= unit_bytes
+    partial += cta_us
+    partial *= rest > zero
+    waves *= unit_full
+    waves += partial
+    bound = np.maximum.reduce(waves, axis=0)
+    np.maximum(bound, work, out=bound)
+    bound += merge
+    return bound
+
+
+def _merge_us(longest: float, caps: np.ndarray, costs: StepCosts) -> np.ndarray:
+    """The merge that the request with the most chunks (the longest, of
+    ``longest`` pages) adds at each cap, 0 where it is not split."""
+    most = np.ceil(longest / caps)
+    return (most > 1) * (costs.merge_us + costs.merge_us_per_chunk * most)
+
+
+@functools.lru_cache(maxsize=64)
+def _model_constants(costs: StepCosts, slots: int, page_bytes: int) -> _Constants:
+    """The :class:`_Constants` of a device (``slots``), KV format
+    (``page_bytes``) and cost table; cached."""
+    def const(value) -> np.ndarray:
+        arr = np.array(value, dtype=np.float64)
+        arr.flags.writeable = False
+        return arr
+
+    return _Constants(const(page_bytes), const(1.0 / _rate(costs, slots)), const(costs.cta_us), const(slots),
+                      const(1.0 / slots), const(1e-3 / costs.hbm_gbps), const(1e-3 / costs.cta_gbps), const(1.0),
+                      const(0.0))
+
+
+class _Setup(NamedTuple):
+    """What :func:`_ladder_setup` caches."""
+
+    caps: np.ndarray         # the ladder, int64 [K]
+    caps_float: np.ndarray   # and as float64
+    group_ctas: np.ndarray   # [G, K]
+    merge: np.ndarray        # [K]
+    constants: _Constants
+
+
+@functools.lru_cache(maxsize=256)
+def _ladder_setup(first: int, min_pages: int, batch: int, ctas_per_chunk: int, slots: int, page_bytes: int,
+                  costs: StepCosts) -> _Setup:
+    """What :func:`choose_max_pages_per_chunk` evaluates the model with,
+    besides the request lengths: it depends only on the longest request
+    (``first`` pages, 0 too), the batch size, the shapes and the device, so
+    one cached lookup replaces ~8 small NumPy calls a plan. Read-only."""
+    caps, caps_float = _ladder(max(1, first), min_pages)
+    # repeated along the caps: a broadcast operand costs ~0.6 µs more a pass
+    group_ctas = np.repeat((_cuts(batch)[1] * ctas_per_chunk)[:, None], caps.size, axis=1)
+    merge = _merge_us(np.float64(first), caps_float, costs)
+    group_ctas.flags.writeable = merge.flags.writeable = False
+    return _Setup(caps, caps_float, group_ctas, merge, _model_constants(costs, slots, page_bytes))
 
 
 #: Requests the model keeps one by one (the longest); the rest it pools into
@@ -176,36 +301,34 @@ def _groups(pages) -> tuple[np.ndarray, np.ndarray]:
     >>> _groups(np.array([3, 9, 1]))
     (array([9., 3., 1.]), array([1., 1., 1.]))
     """
-    p = np.sort(np.asarray(pages, dtype=np.float64))[::-1]
-    if p.size <= EXACT_REQUESTS + GROUPS:
-        return p, np.ones_like(p)
-    cuts, weight = _cuts(p.size)
-    return np.add.reduceat(p, cuts) / weight, weight
+    length = np.sort(np.asarray(pages, dtype=np.float64))[::-1]
+    return _pool(length), _cuts(length.size)[1]
+
+
+def _pool(length: np.ndarray) -> np.ndarray:
+    """The group lengths of :func:`_groups` from page counts already
+    float64 and longest first."""
+    if length.size <= EXACT_REQUESTS + GROUPS:
+        return length
+    cuts, weight = _cuts(length.size)
+    return np.add.reduceat(length, cuts) / weight
 
 
 @functools.lru_cache(maxsize=64)
-def _cuts(batch: int) -> tuple[np.ndarray, np.ndarray]:
-    cuts = np.unique(np.concatenate([np.arange(EXACT_REQUESTS),
-                                     np.linspace(EXACT_REQUESTS, batch, GROUPS + 1)[:-1].astype(np.int64)]))
-    weight = np.diff(np.append(cuts, batch)).astype(np.float64)
-    cuts.flags.writeable = weight.flags.writeable = False
+def _cuts(batch: int) -> tuple[np.ndarray | None, np.ndarray]:
+    """``(cuts, weight)`` of :func:`_groups` for ``batch`` requests: the
+    first index and the size of each group (cuts None: one request each)."""
+    if batch <= EXACT_REQUESTS + GROUPS:
+        cuts, weight = None, np.ones(batch)
+    else:
+        cuts = np.unique(np.concatenate([np.arange(EXACT_REQUESTS),
+                                         np.linspace(EXACT_REQUESTS, batch, GROUPS + 1)[:-1].astype(np.int64)]))
+        weight = np.diff(np.append(cuts, batch)).astype(np.float64)
+        cuts.flags.writeable = False
+    weight.flags.writeable = False
     return cuts, weight
 
 
 def _rate(costs: StepCosts, concurrent):
     """Bytes per µs one CTA streams beside ``concurrent - 1`` others."""
     return np.minimum(costs.cta_gbps, costs.hbm_gbps / concurrent) * 1e3
-
-
-def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: int, page_bytes: int,
-                               min_pages: int, costs: StepCosts = H200_COSTS) -> int:
-    """The chunk cap of :func:`candidate_caps` with the least
-    :func:`predict_step_us` (the largest one among ties: fewer merges).
-
-    >>> choose_max_pages_per_chunk(np.array([2048] * 4), 8, 264, 16 * 512, 8)  # 8 chunks each: 256 CTAs
-    256
-    """
-    pages = np.asarray(pages, dtype=np.int64)
-    caps = candidate_caps(int(pages.max(initial=1)), min_pages)
-    t = predict_step_us(pages, caps, ctas_per_chunk, slots, page_bytes, costs)
-    return int(caps[int(np.argmin(t))])

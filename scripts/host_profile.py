@@ -34,23 +34,34 @@ PLAN_BATCHES = ((128, "lognormal:1024:1.2", 1), (256, "lognormal:512:1.0", 3), (
 def plan_costs(calls: int = 300) -> None:
     """Median host µs of ``plan_decode`` (the default plan: the step model
     picks the split) on ragged batches, fp16, 32 q / 8 kv heads, D 128,
-    page 16, 132 SMs."""
+    page 16, 132 SMs, and of the step model alone
+    (``schedule.choose_max_pages_per_chunk`` with the plan's arguments)."""
     import numpy as np
 
     import cupaged
+    from cupaged import plan as plan_mod
+    from cupaged import schedule
+
+    def median_us(fn):
+        for _ in range(20):
+            fn()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times), np.percentile(times, 10), np.percentile(times, 90)
 
     for batch, spec, seed in PLAN_BATCHES:
         layout = _common.lengths_layout(_common.ragged_lengths(spec, batch, seed), 16, seed=seed)
         table = _common.layout_table(layout)
-        for _ in range(20):
-            cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
-        times = []
-        for _ in range(calls):
-            t0 = time.perf_counter()
-            cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
-            times.append((time.perf_counter() - t0) * 1e6)
-        print(f"host us per plan_decode, batch {batch} {spec}: median {statistics.median(times):.1f}, "
-              f"p10 {np.percentile(times, 10):.1f}, p90 {np.percentile(times, 90):.1f} ({calls} calls)")
+        med, p10, p90 = median_us(lambda: cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132))
+        plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+        slots = plan_mod.ctas_per_sm(plan.dtype, plan.kv_dtype, 128, plan.heads_per_cta) * 132
+        model = (table.request_pages, plan.heads_groups, slots, 16 * 2 * 128 * 2, -(-plan_mod.MIN_CHUNK_TOKENS // 16))
+        model_us = median_us(lambda: schedule.choose_max_pages_per_chunk(*model))[0]
+        print(f"host us per plan_decode, batch {batch} {spec}: median {med:.1f}, "
+              f"p10 {p10:.1f}, p90 {p90:.1f} ({calls} calls); the step model alone {model_us:.1f}")
 
 
 #: Batches of the --step timing (batch, prompt lengths, seed), page size 16.
