@@ -48,6 +48,13 @@ MMA_SMEM_KB: int = _env.mma_smem_kb()
 # (2 vs 4 stages made no difference; scripts/autotune.py, 2026-11-29).
 MMA_WARPS: int = _env.mma_warps()  # 1..32; a bad value fails the import, naming the variable
 MMA_MIN_BLOCKS: int = _env.mma_min_blocks()
+# The fp8 tensor-core instances use 136-142 registers (16-bit: 174), so 3 CTAs
+# fit per SM, which the planner must count (the driver's occupancy query on
+# the H200, scripts/occupancy.py; docs/benchmarks/occupancy-h200-2026-12-01.csv).
+# Measured for the default CTA shape only: any override keeps the bound.
+# (The head_dim-64 16-bit and float32 CUDA-core instances fit more than their
+# bound too; their plans were not re-measured, so they keep it.)
+MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2) else MMA_MIN_BLOCKS
 
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
 # name -> (C++ enumerator, threads per CTA, dtypes, head dims it serves).

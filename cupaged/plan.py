@@ -297,9 +297,10 @@ _SM_CACHE: dict[int, int] = {}
 def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) -> int:
     """Resident CTAs per SM of the partial kernel instance that serves these
     shapes (its ``__launch_bounds__`` minimum, which the register and shared
-    memory budgets are sized for): 2 for the tensor-core core, 3 or 1 for the
-    CUDA-core core (``MinBlocks`` in attend.cuh); 2 where no kernel serves
-    the shapes (the gather path ignores the plan).
+    memory budgets are sized for): 2 for the tensor-core core (3 for its fp8
+    instances, which the driver reports: ``_configs.MMA_FP8_RESIDENT_CTAS``),
+    3 or 1 for the CUDA-core core (``MinBlocks`` in attend.cuh); 2 where no
+    kernel serves the shapes (the gather path ignores the plan).
 
     >>> ctas_per_sm(np.dtype(np.float16), np.dtype(np.float16), 128, 4)
     2
@@ -325,7 +326,7 @@ def _resident_ctas(variant: str, head_dim: int, heads: int, requested: str | Non
     except ValueError:
         return CTAS_PER_SM
     if core == "mma":
-        return _configs.MMA_MIN_BLOCKS
+        return _configs.MMA_FP8_RESIDENT_CTAS if "+" in variant else _configs.MMA_MIN_BLOCKS
     return 3 if heads <= 4 else 1
 
 
@@ -816,7 +817,7 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
         slots = ctas_per_sm(dt, kv_dt, d, hpc) * sms
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         max_pages_per_chunk = schedule.choose_max_pages_per_chunk(
-            pages, grid_y, slots, page_bytes, -(-MIN_CHUNK_TOKENS // page_size))
+            pages, grid_y, slots, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), schedule.costs_for(kv_dt.itemsize))
         c = None
     # max(1, ceil(p / c)) == below // c + 1: for p >= 1 (p - 1) // c + 1 is
     # ceil(p / c), and an empty request has below = 0 (one chunk). Two passes

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["StepCosts", "H200_COSTS", "split_pages", "candidate_caps", "predict_step_us",
+__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_FP8", "costs_for", "split_pages", "candidate_caps", "predict_step_us",
            "choose_max_pages_per_chunk"]
 
 
@@ -68,6 +68,24 @@ class StepCosts:
 #: docs/benchmarks/chunk-sweep-h200-2026-12-01.csv; docs/architecture.md
 #: "Ragged batches: balanced units" has the sweep and the per-cell regrets.
 H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0, merge_us_per_chunk=0.35)
+
+#: The fp8 KV instances' constants (H200, 2026-12-01; 32 q / 8 kv heads,
+#: head_dim 128, page 16, 3 CTAs per SM): fitted by scripts/fit_step_model.py
+#: --slots 396 to docs/benchmarks/chunk-sweep-ragged-fp8-h200-2026-12-01.csv.
+#: One CTA streams fp8 bytes at ~12 GB/s, not fp16's 18: the widening to f16
+#: before the MMA, not the bytes, bounds it, so a long request wants more,
+#: shorter chunks than its byte count says.
+H200_COSTS_FP8 = StepCosts(hbm_gbps=4200.0, cta_gbps=12.0, cta_us=3.5, merge_us=9.0, merge_us_per_chunk=0.25)
+
+
+def costs_for(kv_itemsize: int) -> StepCosts:
+    """The step model's constants for a KV cache of ``kv_itemsize`` bytes per
+    element: fp8 (1) has its own; 16-bit and float32 share fp16's.
+
+    >>> costs_for(1) is H200_COSTS_FP8, costs_for(2) is H200_COSTS
+    (True, True)
+    """
+    return H200_COSTS_FP8 if kv_itemsize == 1 else H200_COSTS
 
 
 #: Even splits of the longest request that the candidate ladder lists one by one.

@@ -187,12 +187,14 @@ def main(argv=None) -> int:
 
                 times[key].append(autotune.graph_time_us(call, launches=20, reps=5))
         min_pages = -(-128 // page)
-        default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, slots, page_bytes, min_pages)
+        costs = schedule.costs_for(1 if fp8 else 2)
+        default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, slots, page_bytes, min_pages,
+                                                          costs)
         for (knob, value), plan in plans.items():
             if knob in ("cap", "default", "request_order"):
                 cap = value if knob == "cap" else default_cap
                 model = float(schedule.predict_step_us(pages, np.array([cap]), plan.heads_groups, slots,
-                                                       page_bytes)[0])
+                                                       page_bytes, costs)[0])
             else:
                 model = float("nan")
             us = float(np.median(times[(knob, value)]))

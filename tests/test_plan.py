@@ -768,3 +768,21 @@ def test_chunk_size_beyond_int32_is_rejected(arg, fits):
             plan_decode(table, 8, 8, 128, np.float16, num_sms=132, **{arg: bad})
     plan = plan_decode(table, 8, 8, 128, np.float16, num_sms=132, **{arg: 2**31 - 1})
     assert plan.pages_per_chunk == fits and plan.request_chunks.tolist() == [1, 1]
+
+
+def test_fp8_plans_count_three_ctas_per_sm_and_their_own_constants():
+    # the driver reports 3 resident fp8 tensor-core CTAs per SM (136-142 registers),
+    # and fp8's per-CTA rate has its own constants: a one-long batch splits finer
+    import cupaged
+    from cupaged import plan as plan_mod, schedule
+
+    assert plan_mod.ctas_per_sm(np.dtype(np.float16), plan_mod.FLOAT8_E4M3, 128, 4) == 3
+    assert plan_mod.ctas_per_sm(np.dtype(np.float16), np.dtype(np.float16), 128, 4) == 2
+    table = cupaged.PageTable.from_seq_lens([131072] + [512] * 63, 16)
+    fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, kv_dtype="float8_e4m3fn", num_sms=132)
+    fp16 = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+    pages = np.asarray(table.request_pages)
+    want = schedule.choose_max_pages_per_chunk(pages, 8, 3 * 132, 16 * 2 * 128, 8, schedule.H200_COSTS_FP8)
+    assert int(fp8.request_chunk_pages[0]) <= want and int(fp8.request_chunk_pages[0]) == int(
+        schedule.split_pages(pages[:1], want)[0][0])
+    assert fp8.request_chunks[0] > fp16.request_chunks[0]

@@ -125,8 +125,9 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
     else:
         slots = ctas_per_sm(dt, kv_dt, d, hpc) * resolve_num_sms(num_sms)
         page_bytes = page_size * 2 * d * kv_dt.itemsize
+        costs = schedule.H200_COSTS_FP8 if kv_dt.itemsize == 1 else H200_COSTS  # fp8 has its own constants
         max_pages_per_chunk = ref_choose_max_pages_per_chunk(pages, grid_y, slots, page_bytes,
-                                                             -(-MIN_CHUNK_TOKENS // page_size))
+                                                             -(-MIN_CHUNK_TOKENS // page_size), costs)
     if c is None:
         chunk_pages, req_chunks = ref_split_pages(pages, max_pages_per_chunk)
     else:
