@@ -70,12 +70,14 @@ class StepCosts:
 H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0, merge_us_per_chunk=0.35)
 
 #: The fp8 KV instances' constants (H200, 2026-12-01; 32 q / 8 kv heads,
-#: head_dim 128, page 16, 3 CTAs per SM): fitted by scripts/fit_step_model.py
-#: --slots 396 to docs/benchmarks/chunk-sweep-ragged-fp8-h200-2026-12-01.csv.
-#: One CTA streams fp8 bytes at ~12 GB/s, not fp16's 18: the widening to f16
+#: head_dim 128, page 16, 3 CTAs per SM): a grid search minimizing the worst
+#: regret over both fp8 sweeps, docs/benchmarks/chunk-sweep-ragged-fp8- and
+#: chunk-sweep-uniform-fp8-h200-2026-12-01.csv (20 cells; worst 16.7 %, mean
+#: 5.8 %, against 64.8 % and 10.8 % with fp16's constants at 2 CTAs per SM).
+#: One CTA streams fp8 bytes at ~14 GB/s, not fp16's 18: the widening to f16
 #: before the MMA, not the bytes, bounds it, so a long request wants more,
 #: shorter chunks than its byte count says.
-H200_COSTS_FP8 = StepCosts(hbm_gbps=4200.0, cta_gbps=12.0, cta_us=3.5, merge_us=9.0, merge_us_per_chunk=0.25)
+H200_COSTS_FP8 = StepCosts(hbm_gbps=4600.0, cta_gbps=14.0, cta_us=2.0, merge_us=9.0, merge_us_per_chunk=0.3)
 
 
 def costs_for(kv_itemsize: int) -> StepCosts:
