@@ -82,8 +82,7 @@ def regrets(cells: list[Cell], costs: schedule.StepCosts, slots: int, min_pages:
         ok = c.caps >= min(min_pages, int(c.pages.max()))
         caps, us = c.caps[ok], c.us[ok]
         model = schedule.predict_step_us(c.pages, caps, c.ctas_per_chunk, slots, c.page_bytes, costs)
-        pick = int(np.argmin(model[::-1]))  # ties: the largest cap (caps are descending)
-        pick = len(caps) - 1 - pick
+        pick = int(np.argmin(model))  # ties: the largest cap (caps are descending), as the planner
         log_err = float(np.std(np.log(model / us)))
         out.append((c.name, int(caps[pick]), float(us[pick]), c.best, float(us[pick]) / c.best - 1, log_err))
     return out
