@@ -412,7 +412,8 @@ def _check_inputs(q: np.ndarray, k: np.ndarray, v: np.ndarray,
 def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
            sm_scale: float | None = None, *,
            logits_soft_cap: float | None = None, k_scale: Any = None,
-           v_scale: Any = None, kv_layout: str = "NHD"
+           v_scale: Any = None, kv_layout: str = "NHD", qo_indptr: Any = None,
+           sinks: Any = None, window_left: Any = None
            ) -> tuple[np.ndarray, np.ndarray]:
     """Paged decode: ``q [B, Hq, D]`` against the visible tokens of each
     request -> ``(out [B, Hq, D] float64, lse [B, Hq] float64, log2 units)``.
@@ -428,6 +429,25 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
     tensor, or a ``[Hkv]`` array per KV head) multiply the dequantized caches;
     ``logits_soft_cap`` (``None``/``0`` off, ``c > 0``: logit ``= c *
     tanh(sm_scale * q.k / c)``; the LSE is of the capped logits).
+
+    Decode features of issue 18 (the kernels do not serve them yet; this is
+    their definition):
+
+    * ``qo_indptr`` (int ``[B+1]``, from 0, non-decreasing, ``q_len_i =
+      qo_indptr[i+1] - qo_indptr[i]`` in ``[1, 16]``): several query tokens per
+      request. ``q`` (and ``out``, ``lse``) are ``[qo_indptr[-1], Hq, ...]``.
+      Request ``i``'s new tokens are its last ``q_len_i`` visible slots
+      (``q_len_i <= seq_len_i``); its token ``j`` sees visible slots ``0 ..
+      seq_len_i - q_len_i + j`` (causal among the new tokens).
+    * ``sinks`` (``[Hq]`` floats, natural-log logits in the units of
+      ``q.k * sm_scale``, not soft-capped): each adds ``exp(sinks[h])`` to head
+      ``h``'s softmax denominator and nothing to the numerator; the LSE
+      includes it (an empty request then has zeros and LSE ``sinks[h] *
+      log2(e)``).
+    * ``window_left`` (``None``/``-1`` none, an int ``W >= 0``, or an int
+      ``[B]`` array, ``-1`` = none for that request): the query at position
+      ``p`` (counted from the first visible slot) sees only slots ``p - W ..
+      p``; with several query tokens each has its own window.
 
     Raises the :class:`~cupaged.errors.CupagedError` subclasses of the
     kernels' path (all ``ValueError`` but the first):
@@ -476,17 +496,107 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
         ...
     cupaged.errors.InvalidArgumentError: kv_layout must be one of 'NHD', 'HND' (NHD = [num_pages, page_size, num_kv_heads, head_dim], HND = [num_pages, num_kv_heads, page_size, head_dim]), got 'NDH'
     """
-    qh, k, v, cap, ks, vs = _prepare(q, k_cache, v_cache, table, kv_layout,
-                                     logits_soft_cap, k_scale, v_scale)
-    b, hq, d = qh.shape
+    if qo_indptr is None and sinks is None and window_left is None:
+        qh, k, v, cap, ks, vs = _prepare(q, k_cache, v_cache, table, kv_layout,
+                                         logits_soft_cap, k_scale, v_scale)
+        b, hq, d = qh.shape
+        sm_scale = _check_sm_scale(sm_scale, d)
+        out = np.zeros((b, hq, d))
+        lse = np.full((b, hq), -np.inf)
+        for i in range(b):
+            out[i], lse[i] = attend(qh[i], _gather(k, table, i),
+                                    _gather(v, table, i), sm_scale,
+                                    logits_soft_cap=cap, k_scale=ks, v_scale=vs)
+        return out, lse
+    return _decode_features(q, k_cache, v_cache, table, sm_scale, logits_soft_cap, k_scale, v_scale,
+                            kv_layout, qo_indptr, sinks, window_left)
+
+
+MAX_Q_LEN = 16  # query tokens per request with qo_indptr (issue 18)
+
+
+def _decode_features(q, k_cache, v_cache, table, sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout,
+                     qo_indptr, sinks, window_left) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`decode` with several query tokens, sinks or a sliding window."""
+    _check_table(table)
+    batch = int(table.batch_size)
+    seq = np.asarray(table.seq_lens, dtype=np.int64)
+    starts = _check_qo_indptr(qo_indptr, batch, seq)
+    rows = int(starts[-1])
+    qh = _host(q, "q")
+    if qh.ndim != 3 or qh.shape[0] != rows:
+        raise ShapeError(f"q must be [qo_indptr[-1] = {rows}, num_qo_heads, head_dim], got shape {qh.shape}")
+    # one query row per request for the shared checks, then every row
+    qh_first = qh[starts[:-1]] if batch else qh[:0]
+    _, k, v, cap, ks, vs = _prepare(qh_first, k_cache, v_cache, table, kv_layout, logits_soft_cap,
+                                    k_scale, v_scale)
+    hq, d = qh.shape[1], qh.shape[2]
     sm_scale = _check_sm_scale(sm_scale, d)
-    out = np.zeros((b, hq, d))
-    lse = np.full((b, hq), -np.inf)
-    for i in range(b):
-        out[i], lse[i] = attend(qh[i], _gather(k, table, i),
-                                _gather(v, table, i), sm_scale,
-                                logits_soft_cap=cap, k_scale=ks, v_scale=vs)
+    sink2 = _check_sinks(sinks, hq)
+    window = _check_window(window_left, batch)
+    out = np.zeros((rows, hq, d))
+    lse = np.full((rows, hq), -np.inf)
+    for i in range(batch):
+        ki, vi = _gather(k, table, i), _gather(v, table, i)
+        q_len = int(starts[i + 1] - starts[i])
+        for j in range(q_len):
+            pos = int(seq[i]) - q_len + j  # this token's slot, counted from the first visible one
+            lo = 0 if window[i] < 0 else max(0, pos - int(window[i]))
+            r = int(starts[i]) + j
+            out[r], lse[r] = attend(qh[r], ki[lo:pos + 1], vi[lo:pos + 1], sm_scale,
+                                    logits_soft_cap=cap, k_scale=ks, v_scale=vs)
+            if sink2 is not None:  # one more denominator term per head
+                total = np.logaddexp2(lse[r], sink2)
+                out[r] *= np.exp2(lse[r] - total)[:, None]
+                lse[r] = total
     return out, lse
+
+
+def _check_qo_indptr(qo_indptr: Any, batch: int, seq: np.ndarray) -> np.ndarray:
+    """``qo_indptr`` as int64 ``[B+1]`` (one token each when None)."""
+    if qo_indptr is None:
+        return np.arange(batch + 1, dtype=np.int64)
+    ptr = _host(qo_indptr, "qo_indptr") if hasattr(qo_indptr, "get") else np.asarray(qo_indptr)
+    if ptr.ndim != 1 or ptr.shape[0] != batch + 1 or not np.issubdtype(ptr.dtype, np.integer):
+        raise ShapeError(f"qo_indptr must be an integer array [batch + 1 = {batch + 1}], "
+                         f"got shape {ptr.shape} dtype {ptr.dtype}")
+    ptr = ptr.astype(np.int64)
+    q_len = np.diff(ptr)
+    if ptr[0] != 0 or (q_len < 1).any() or (q_len > MAX_Q_LEN).any():
+        raise InvalidArgumentError(f"qo_indptr must start at 0 and give every request 1..{MAX_Q_LEN} query "
+                                   f"tokens, got {ptr.tolist()}")
+    short = np.flatnonzero(q_len > seq)
+    if short.size:
+        i = int(short[0])
+        raise InvalidArgumentError(f"request {i} has {int(q_len[i])} query tokens but {int(seq[i])} visible "
+                                   "slots: its new tokens are its last q_len slots")
+    return ptr
+
+
+def _check_sinks(sinks: Any, num_qo_heads: int) -> np.ndarray | None:
+    """Sinks as base-2 logits ``[Hq]`` (None: none)."""
+    if sinks is None:
+        return None
+    arr = _host(sinks, "sinks") if hasattr(sinks, "get") else np.asarray(sinks, dtype=np.float64)
+    if arr.shape != (num_qo_heads,):
+        raise ShapeError(f"sinks must be [num_qo_heads = {num_qo_heads}], got shape {arr.shape}")
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise InvalidArgumentError("sinks must be finite")
+    return arr * LOG2E
+
+
+def _check_window(window_left: Any, batch: int) -> np.ndarray:
+    """Per request the window ``W`` (``-1``: none), int64 ``[B]``."""
+    if window_left is None:
+        return np.full(batch, -1, dtype=np.int64)
+    arr = np.asarray(window_left)
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (batch,)):
+        raise ShapeError(f"window_left must be None, an int or an int array [batch = {batch}], got {window_left!r}")
+    arr = np.broadcast_to(arr.astype(np.int64), (batch,))
+    if (arr < -1).any():
+        raise InvalidArgumentError(f"window_left must be >= 0, or -1 (no window), got {arr.tolist()}")
+    return arr
 
 
 def _prepare(q: Any, k_cache: Any, v_cache: Any, table: Any, kv_layout: Any,
