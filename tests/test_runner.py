@@ -301,3 +301,44 @@ def test_a_plan_edited_with_replace_is_refused():
     bad = dataclasses.replace(plan, needs_merge=False)
     with pytest.raises(cupaged.PlanMismatchError, match="needs_merge"):
         cupaged.decode(q, cp.asarray(k_h), cp.asarray(v_h), table, bad)
+
+
+def test_threads_share_a_plan_each_on_its_own_stream():
+    """Issue 17 item 3: four threads decode with one held plan at once, each
+    on its own stream (and one runner per thread); every result checked."""
+    import threading
+
+    cp = _cp()
+    rng = np.random.default_rng(10)
+    table, num_pages = make_table(rng, [2500, 40, 7000, 300], P)
+    plan = cupaged.plan_decode(table, HQ, HKV, D, F16, target_ctas=10**5)
+    k_h, v_h = make_caches(rng, table, num_pages, HKV, D, F16)
+    k, v = cp.asarray(k_h), cp.asarray(v_h)
+    queries = [make_query(rng, 4, HQ, D, F16) for _ in range(4)]
+    refs = [reference.decode(qh, k_h, v_h, table) for qh in queries]
+    cupaged.decode(cp.asarray(queries[0]), k, v, table, plan)  # compiles once, before the threads
+    cp.cuda.runtime.deviceSynchronize()
+    errors, barrier = [], threading.Barrier(4)
+
+    def worker(t):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=4, max_pages=num_pages)
+                runner.plan(table)
+                q = cp.asarray(queries[t])
+                barrier.wait()
+                for _ in range(10):
+                    out, lse = cupaged.decode(q, k, v, table, plan, return_lse=True)
+                    r_out, r_lse = runner.run(q, k, v, return_lse=True)
+                stream.synchronize()
+                for o, l in ((out, lse), (r_out, r_lse)):
+                    check_close(o.get().astype(np.float64), l.get().astype(np.float64), *refs[t], F16)
+        except Exception as e:  # reported by the main thread
+            errors.append((t, e))
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
