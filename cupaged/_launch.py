@@ -46,11 +46,12 @@ class PartialParams(ctypes.Structure):
 
 # ------------------------------------------------------------------ the plan image
 HEADER = 8  # int32: {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, 0}
+HEADER_BATCH = 6  # the header entry holding the batch size (append_kv's device_batch)
 
 
 def image_capacity(max_batch: int, max_units: int, max_pages: int) -> int:
     """int32 elements of an image that holds any plan and table within these capacities."""
-    return HEADER + 4 * max_units + 4 * max_batch + 2 + max_pages
+    return image_offsets(max_batch, max_units)[-1] + max_pages
 
 
 def plan_units(plan) -> np.ndarray:
@@ -179,19 +180,14 @@ class PartialLaunch:
         event.record(stream)
         self.plan, self.table, self.units = plan, table, units.shape[0]
 
-    def set_arrays(self, q, k, v, out, lse, kv_strides=None) -> None:
-        """Pointers and strides of q, the caches (NHD element strides, or
-        ``kv_strides`` = (k's, v's) when given), out and lse."""
+    def set_arrays(self, q, k, v, out, lse) -> None:
+        """Pointers and element strides of q, the caches (NHD views), out and lse."""
         p = self.params
-        isz = q.itemsize
-        qs, os_ = q.strides, out.strides
+        isz, kvsz = q.itemsize, k.itemsize
+        qs, ks, vs, os_ = q.strides, k.strides, v.strides, out.strides
         p.q, p.stride_q_batch, p.stride_q_head = q.data.ptr, qs[0] // isz, qs[1] // isz
-        if kv_strides is None:
-            kvsz = k.itemsize
-            ks, vs = k.strides, v.strides
-            kv_strides = ((ks[0] // kvsz, ks[1] // kvsz, ks[2] // kvsz), (vs[0] // kvsz, vs[1] // kvsz, vs[2] // kvsz))
-        (p.stride_k_page, p.stride_k_token, p.stride_k_head), (p.stride_v_page, p.stride_v_token,
-                                                               p.stride_v_head) = kv_strides
+        p.stride_k_page, p.stride_k_token, p.stride_k_head = ks[0] // kvsz, ks[1] // kvsz, ks[2] // kvsz
+        p.stride_v_page, p.stride_v_token, p.stride_v_head = vs[0] // kvsz, vs[1] // kvsz, vs[2] // kvsz
         p.k_cache, p.v_cache = k.data.ptr, v.data.ptr
         p.final_out, p.stride_o_batch, p.stride_o_head = out.data.ptr, os_[0] // isz, os_[1] // isz
         p.final_lse = None if lse is None else lse.data.ptr

@@ -228,12 +228,18 @@ def _check_out(out, q):
 
 
 def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str) -> None:
+    check_plan_for(plan, table, q.shape[1], k_cache.shape[2], q.shape[2], dtype_name)
+
+
+def check_plan_for(plan: DecodePlan, table: PageTable, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                   dtype_name: str) -> None:
+    """Raises unless ``plan`` is a consistent DecodePlan for these shapes, this
+    module variant and ``table`` (decode's and DecodeRunner.plan's check)."""
     if not isinstance(plan, DecodePlan):
         raise ArgumentTypeError(
             f"plan must be a cupaged.DecodePlan from plan_decode or None, got {type(plan).__name__}"
         )
-    _, num_qo_heads, head_dim = q.shape
-    expected = (num_qo_heads, k_cache.shape[2], head_dim, dtype_name)
+    expected = (num_qo_heads, num_kv_heads, head_dim, dtype_name)
     got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, _plan_variant(plan))
     if got != expected:
         raise PlanMismatchError(

@@ -32,8 +32,8 @@ import numpy as np
 
 from . import _configs, _launch
 from ._device import require_gpu
-from .decode import (LOG2E, ScoreArgs, _check_inputs, _check_out, _check_plan, _check_sm_scale,
-                     _kernel_decline_reason, _nhd_views, _score_args)
+from .decode import (LOG2E, ScoreArgs, _check_inputs, _check_out, _check_sm_scale, _kernel_decline_reason,
+                     _nhd_views, _score_args, check_plan_for)
 from ._arrays import as_cupy
 from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
                      UnsupportedConfigError)
@@ -164,7 +164,7 @@ class DecodeRunner:
             if plan is None:
                 plan = self._plan(table, knobs)
             else:
-                _check_plan(plan, table, _Shape(self), _CacheShape(self), self.variant)
+                check_plan_for(plan, table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.variant)
                 if plan.num_chunks > self.max_units:
                     raise CapacityError(f"plan has {plan.num_chunks} chunks, the runner holds {self.max_units}")
             self._launch.load(plan, _launch.plan_units(plan), table)
@@ -271,7 +271,7 @@ class DecodeRunner:
             base, (_, indptr, last, first, indices) = self._launch.image.data.ptr, self._launch.offsets
             pointers = tuple(np.uint64(base + 4 * off) for off in (indices, indptr, last, first))
             _launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch,
-                           (pointers, base + 4 * 6, rows))  # header[6]: the batch
+                           (pointers, base + 4 * _launch.HEADER_BATCH, rows))
 
     def _scores(self, sm_scale, logits_soft_cap, k_scale, v_scale, q) -> ScoreArgs:
         if logits_soft_cap is None and k_scale is None and v_scale is None:
@@ -290,14 +290,3 @@ class DecodeRunner:
             raise UnsupportedConfigError(f"DecodeRunner.{what}: the runner was made on another stream; its image and "
                                          "workspace are ordered on that one (make one runner per stream)")
 
-
-class _Shape:
-    """q's shape as _check_plan reads it (the runner checks plans before any q exists)."""
-
-    def __init__(self, runner: DecodeRunner):
-        self.shape = (0, runner.num_qo_heads, runner.head_dim)
-
-
-class _CacheShape:
-    def __init__(self, runner: DecodeRunner):
-        self.shape = (0, runner.page_size, runner.num_kv_heads, runner.head_dim)
