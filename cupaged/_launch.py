@@ -138,7 +138,8 @@ class PartialLaunch:
         self._arg = (ctypes.c_void_p * 1)(ctypes.addressof(p))
         self.params_ptr = ctypes.addressof(self._arg)
         self.scores = None  # the ScoreArgs whose values are in the parameters (keeps their arrays alive)
-        self.table = self.plan = None  # what the image holds (kept alive while it does)
+        self.table = None  # the table the image holds (kept alive while it does; never the plan: decode's
+        # states are keyed by their plan and must not keep it alive)
         self.units = None  # the image's unit count
         self._current_stream = cupy.cuda.get_current_stream
         self._launch = driver.launchKernel
@@ -178,7 +179,7 @@ class PartialLaunch:
         if event is None:
             event = self._events[i] = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
-        self.plan, self.table, self.units = plan, table, units.shape[0]
+        self.table, self.units = table, units.shape[0]
 
     def set_arrays(self, q, k, v, out, lse) -> None:
         """Pointers and element strides of q, the caches (NHD views), out and lse."""

@@ -219,13 +219,14 @@ def main(argv=None) -> int:
 
     timed(layer_call, f"decode call rotating {args.layers} layers")
     # The floor: the driver launch alone (cuLaunchKernel with packed arguments).
-    from cupaged.decode import _plan_states
+    from cupaged.decode import plan_states
 
-    state = _plan_states[plan].last
+    state = plan_states(plan).last
     stream = cupy.cuda.get_current_stream().ptr
     ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr, None, stream)
     timed(lambda: state.launch_pointers(*ptrs), "bare launch (launch_pointers)")
     every_path(cupy, np, cupaged, args, timed)
+    breakdown(cupy, dev, plan, out, timed)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):
@@ -234,6 +235,35 @@ def main(argv=None) -> int:
     cupy.cuda.Device().synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     return 0
+
+
+def breakdown(cupy, dev, plan, out, timed) -> None:
+    """The pieces of one hot-path call, each timed alone: the driver launch
+    with packed parameters, the pointer writes, the plan-state lookup, the
+    array property reads the checks make, the current device and stream
+    queries, and an LSE-sized allocation."""
+    import numpy as np
+
+    from cupaged import decode as dec
+
+    state = dec.plan_states(plan).last
+    stream = cupy.cuda.get_current_stream().ptr
+    launch, fn, grid, block, smem, arg = (state._launch, state.function, state.units * state.heads_groups,
+                                          state.block, state.smem, state.params_ptr)
+    timed(lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, arg, 0), "piece: driver launchKernel alone")
+    p = state.params
+    ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr)
+
+    def pointer_writes():
+        p.q, p.k_cache, p.v_cache, p.final_out, p.final_lse = *ptrs, None
+
+    timed(pointer_writes, "piece: 5 pointer writes (ctypes fields)")
+    timed(lambda: dec.plan_states(plan), "piece: plan-state lookup")
+    q = dev.q
+    timed(lambda: (q.shape, q.strides, q.dtype, q.data.ptr, q.data.device_id), "piece: 5 property reads of q")
+    timed(lambda: (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr),
+          "piece: current device + stream")
+    timed(lambda: cupy.empty((q.shape[0], q.shape[1]), dtype=np.float32), "piece: cupy.empty of an LSE")
 
 
 def every_path(cupy, np, cupaged, args, timed) -> None:
@@ -246,6 +276,7 @@ def every_path(cupy, np, cupaged, args, timed) -> None:
     head = cupy.full(8, 0.5, dtype=cupy.float32)
     hnd = [cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (f16.k_cache, f16.v_cache)]
     cases = {
+        "fp16 (this harness)": (f16.q, f16.k_cache, f16.v_cache, None, {}),
         "bf16": (bf16.q, bf16.k_cache, bf16.v_cache, None, {}),
         "fp8 per-tensor scales": (f16.q, k8, v8, "float8_e4m3fn", dict(k_scale=0.5, v_scale=0.25)),
         "fp8 per-head scales": (f16.q, k8, v8, "float8_e4m3fn", dict(k_scale=head, v_scale=head)),

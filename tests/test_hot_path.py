@@ -29,7 +29,7 @@ def _cp():
 def _buffers(plan):
     import importlib
 
-    return importlib.import_module("cupaged.decode")._plan_states[plan].last
+    return importlib.import_module("cupaged.decode").plan_states(plan).last
 
 
 def _decode(q, k, v, table, plan, **kw):
@@ -150,3 +150,31 @@ def test_arrays_on_another_device_are_checked():
         q1 = cp.asarray(host[0])
     with pytest.raises(cupaged.DeviceMismatchError):
         cupaged.decode(q1, k, v, table, plan)
+
+
+def test_plans_and_their_launch_state_are_freed():
+    """decode() without a plan makes one per call, with its workspace and
+    image: neither may outlive the call (the launch state must not keep its
+    own plan alive). A held plan's state goes when the plan does."""
+    import gc
+    import weakref
+
+    cp = _cp()
+    dec = __import__("importlib").import_module("cupaged.decode")
+    (q, k, v), table, host = batch(75, [300, 41, 1700], mid_page=False)
+    gc.collect()
+    before = len(dec._plan_states)
+    for _ in range(5):
+        out = cupaged.decode(q, k, v, table)
+    gc.collect()
+    assert len(dec._plan_states) == before
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16)
+    for _ in range(2):
+        out, lse = cupaged.decode(q, k, v, table, plan, return_lse=True)
+    assert dec.plan_states(plan).last.hot is not None
+    ref = weakref.ref(plan)
+    cp.cuda.runtime.deviceSynchronize()
+    del plan
+    gc.collect()
+    assert ref() is None and len(dec._plan_states) == before
+    check_close(out.get().astype(np.float64), lse.get().astype(np.float64), *reference.decode(*host, table), F16)
