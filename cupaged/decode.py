@@ -227,6 +227,23 @@ def _check_out(out, q):
     return out
 
 
+def check_lse(lse, q):
+    """``lse`` as a CuPy array if it can receive q's LSE: C-contiguous
+    float32 ``[batch, num_qo_heads]`` on q's device (decode's and
+    DecodeRunner.run's check; the runner passes q's rows it serves)."""
+    lse = _as_cupy(lse, "lse")
+    want = q.shape[:2]
+    if lse.shape != want:
+        raise ShapeError(f"lse must have shape {want} (q's first two), got {lse.shape}")
+    if lse.dtype != np.float32:
+        raise DTypeError(f"lse must be float32, got {lse.dtype}")
+    if not lse.flags.c_contiguous:
+        raise LayoutError(f"lse must be C-contiguous, got strides {lse.strides}")
+    if lse.data.device_id != q.data.device_id:
+        raise DeviceMismatchError(f"lse must be on q's device {q.data.device_id}, got device {lse.data.device_id}")
+    return lse
+
+
 def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str) -> None:
     check_plan_for(plan, table, q.shape[1], k_cache.shape[2], q.shape[2], dtype_name)
 
@@ -442,7 +459,7 @@ def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "
 # ---------------------------------------------------------------------- the entry
 def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, *, method: str = "auto",
            sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale=None, v_scale=None,
-           kv_layout: str = "NHD", out=None, return_lse: bool = False, validate: bool = False):
+           kv_layout: str = "NHD", out=None, return_lse: bool = False, lse=None, validate: bool = False):
     """Paged-attention decode: one query token per request against its paged KV.
 
     Args:
@@ -495,6 +512,10 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         return_lse: also return the LSE, ``[batch, num_qo_heads]`` float32 in
             **log2 units** (natural log = lse * ln 2) of the (capped) logits;
             -inf for an empty request.
+        lse: optional LSE output, a C-contiguous float32 ``[batch,
+            num_qo_heads]`` array on q's device: the LSE is written there
+            (returned with ``return_lse``) instead of a new array; saves an
+            allocation (~2-3 us of host time) per call.
         validate: a debugging aid, off by default. The default checks are
             O(1) host comparisons (no device sync); they trust the device
             copy of the table (``table.device()``). ``validate=True`` also
@@ -506,7 +527,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
 
     Returns:
         ``out`` (``[batch, num_qo_heads, head_dim]``, q's dtype), or
-        ``(out, lse)`` with ``return_lse``. An empty request's output is zeros.
+        ``(out, lse)`` with ``return_lse`` (``lse`` is the given array when
+        one is passed). An empty request's output is zeros.
         ``batch == 0`` launches nothing (pass no plan: :func:`plan_decode`
         refuses an empty batch).
 
@@ -519,7 +541,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         differs; zero heads; heads not divisible; ``out`` of another shape),
         DTypeError [ValueError] (mixed or unsupported dtypes; ``out`` of
         another dtype), LayoutError [ValueError] (``out``'s head_dim not
-        contiguous; with ``validate``, overlapping ``out`` elements),
+        contiguous; ``lse`` not C-contiguous; with ``validate``,
+        overlapping ``out`` elements),
         DeviceMismatchError [ValueError] (arrays on different devices, or
         not on the current one), UnsupportedConfigError [ValueError] (an
         unknown ``method`` or ``CUPAGED_DECODE``; an unknown
@@ -553,7 +576,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             hot = state.hot
             if hot is not None:
                 res = hot.launch(state, q, k_cache, v_cache, table, method,
-                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout), out, return_lse)
+                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout), out, return_lse, lse)
                 if res is not None:
                     return res
     if method not in METHODS or method == "auto":  # argument errors before the GPU check
@@ -581,7 +604,10 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             from ._validate import check_out_overlap
 
             check_out_overlap(out)
-    lse = cupy.empty(q.shape[:2], dtype=cupy.float32) if return_lse else None
+    if lse is not None:
+        lse = check_lse(lse, q)
+    elif return_lse:
+        lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
 
     selection = _select(q, k_cache, v_cache, table, method, dtype, scores.k_head_scale is not None
                         or scores.v_head_scale is not None)
@@ -733,7 +759,8 @@ class _HotCall:
     layout with the record, tests the new pointers' 16-byte alignment, and
     launches with only the pointer fields rewritten. Any difference returns
     None and the full path runs (and records again). Host cost measured by
-    scripts/host_profile.py."""
+    scripts/host_profile.py; each comparison is one tuple comparison, as
+    every Python operation here costs ~50 ns of the ~8 us budget."""
 
     def __init__(self, q, k, v, table, method: str, args: tuple, out):
         import cupy
@@ -742,13 +769,15 @@ class _HotCall:
         self.env = _env_method_raw() if method == "auto" else _NO_ENV
         self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
         self.get_device, self.get_stream = cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
-        self.device = q.data.device_id
-        self.q_meta = (q.shape, q.strides, q.dtype)
-        self.kv_meta = (k.shape, k.strides, k.dtype)  # as passed (HND: before the NHD view)
-        self.v_strides = v.strides
-        self.out_strides = out.strides
+        device = self.device = q.data.device_id
+        # k and v as passed (HND: before the NHD view)
+        self.meta = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype)
+        self.devices = (device, device, device, device)
+        self.out_meta = (q.shape, q.dtype, out.strides, device)
+        rows = q.shape[:2]
+        self.lse_meta = (rows, np.dtype(np.float32), (4 * rows[1], 4), device)
 
-    def launch(self, state: _PlanLaunch, q, k, v, table, method, args: tuple, out, return_lse):
+    def launch(self, state: _PlanLaunch, q, k, v, table, method, args: tuple, out, return_lse, lse):
         """Launches with ``state`` (whose record this is) and returns decode's
         result, or None (the full path runs)."""
         nd = self.ndarray
@@ -760,25 +789,27 @@ class _HotCall:
             return None
         if self.env is not _NO_ENV and _env_method_raw() != self.env:
             return None
-        q_shape = q.shape
-        if ((q_shape, q.strides, q.dtype) != self.q_meta or (k.shape, k.strides, k.dtype) != self.kv_meta
-                or v.shape != self.kv_meta[0] or v.strides != self.v_strides or v.dtype != self.kv_meta[2]):
+        if (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype) != self.meta:
             return None
         qp, kp, vp = q.data, k.data, v.data
-        device, stream = self.device, state.stream_ptr
-        if ((qp.ptr | kp.ptr | vp.ptr) & 15 or qp.device_id != device or kp.device_id != device
-                or vp.device_id != device or self.get_device() != device or self.get_stream().ptr != stream):
+        qa, ka, va = qp.ptr, kp.ptr, vp.ptr
+        stream = state.stream_ptr
+        if ((qa | ka | va) & 15 or (qp.device_id, kp.device_id, vp.device_id, self.get_device()) != self.devices
+                or self.get_stream().ptr != stream):
             return None
         if out is None:
-            out = self.empty(q_shape, dtype=q.dtype)
-            if out.strides != self.out_strides:
+            out = self.empty(self.meta[0], dtype=self.meta[2])
+            if out.strides != self.out_meta[2]:
                 return None
-        elif (type(out) is not nd or out.shape != q_shape or out.dtype != q.dtype
-              or out.strides != self.out_strides or out.data.device_id != device):
+        elif type(out) is not nd or (out.shape, out.dtype, out.strides, out.data.device_id) != self.out_meta:
             return None
-        lse = self.empty(q_shape[:2], dtype=self.float32) if return_lse else None
+        if lse is not None:
+            if type(lse) is not nd or (lse.shape, lse.dtype, lse.strides, lse.data.device_id) != self.lse_meta:
+                return None
+        elif return_lse:
+            lse = self.empty(self.lse_meta[0], dtype=self.float32)
         with state.lock:
-            state.launch_pointers(qp.ptr, kp.ptr, vp.ptr, out.data.ptr, None if lse is None else lse.data.ptr, stream)
+            state.launch_pointers(qa, ka, va, out.data.ptr, None if lse is None else lse.data.ptr, stream)
         return (out, lse) if return_lse else out
 
 

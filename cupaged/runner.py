@@ -33,7 +33,7 @@ import numpy as np
 from . import _configs, _launch
 from ._device import require_gpu
 from .decode import (LOG2E, ScoreArgs, _check_inputs, _check_out, _check_sm_scale, _kernel_decline_reason,
-                     _nhd_views, _score_args, check_plan_for)
+                     _nhd_views, _score_args, check_lse, check_plan_for)
 from ._arrays import as_cupy
 from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
                      UnsupportedConfigError)
@@ -227,10 +227,7 @@ class DecodeRunner:
             if lse is None and return_lse:
                 lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
             elif lse is not None:
-                lse = as_cupy(lse, "lse")
-                if lse.shape != q.shape[:2] or lse.dtype != np.float32 or not lse.flags.c_contiguous:
-                    raise ShapeError(f"lse must be a contiguous float32 array of shape {q.shape[:2]}, "
-                                     f"got {lse.shape} {lse.dtype}")
+                lse = check_lse(lse, q)
             self._num_pages = k_cache.shape[0]
             launch = self._launch
             launch.set_arrays(q, k_cache, v_cache, out, lse)

@@ -192,20 +192,26 @@ def main(argv=None) -> int:
     def call():
         cupaged.decode(dev.q, dev.k_cache, dev.v_cache, dev.table, plan, out=out)
 
-    def timed(fn, label):
+    def sample(fn, calls):
         for _ in range(50):
             fn()
         cupy.cuda.Device().synchronize()
         times = []
-        for _ in range(args.calls):
+        for _ in range(calls):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e6)
             if len(times) % 100 == 0:  # keep the launch queue short
                 cupy.cuda.Device().synchronize()
         cupy.cuda.Device().synchronize()
+        return times
+
+    def report(times, label, extra=""):
         print(f"host us per {label}: median {statistics.median(times):.2f}, "
-              f"p10 {np.percentile(times, 10):.2f}, p90 {np.percentile(times, 90):.2f} ({args.calls} calls)")
+              f"p10 {np.percentile(times, 10):.2f}, p90 {np.percentile(times, 90):.2f} ({len(times)} calls{extra})")
+
+    def timed(fn, label):
+        report(sample(fn, args.calls), label)
 
     timed(call, "decode call")
     # A serving step: per layer its own caches and a new q and out (same shapes).
@@ -225,7 +231,7 @@ def main(argv=None) -> int:
     stream = cupy.cuda.get_current_stream().ptr
     ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr, None, stream)
     timed(lambda: state.launch_pointers(*ptrs), "bare launch (launch_pointers)")
-    every_path(cupy, np, cupaged, args, timed)
+    every_path(cupy, np, cupaged, args, sample, report)
     breakdown(cupy, dev, plan, out, timed)
     prof = cProfile.Profile()
     prof.enable()
@@ -244,8 +250,9 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     queries, and an LSE-sized allocation."""
     import numpy as np
 
-    from cupaged import decode as dec
+    import importlib
 
+    dec = importlib.import_module("cupaged.decode")
     state = dec.plan_states(plan).last
     stream = cupy.cuda.get_current_stream().ptr
     launch, fn, grid, block, smem, arg = (state._launch, state.function, state.units * state.heads_groups,
@@ -266,28 +273,53 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     timed(lambda: cupy.empty((q.shape[0], q.shape[1]), dtype=np.float32), "piece: cupy.empty of an LSE")
 
 
-def every_path(cupy, np, cupaged, args, timed) -> None:
+def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None:
     """Host µs per held-plan decode call on every supported path (issue 17):
-    bf16, fp8 with per-tensor and per-head scales, soft cap, HND, return_lse."""
+    fp16, bf16, fp8 with per-tensor and per-head scales, soft cap, HND,
+    return_lse (allocating the LSE, and into a given ``lse``), and
+    ``DecodeRunner.run`` (checked every call; no graph). The paths take
+    turns, ``rounds`` rounds of ``calls / rounds`` calls each, so that a slow
+    stretch of the host (seen: one path 40 % slower in its own block) falls
+    on every path alike; the line gives the median over all calls and the
+    spread of the per-round medians."""
     layout = _common.plan_layout(args.batch, args.ctx, 16, seed=2, mid_page=False, page_order="random")
     f16 = _common.make_device_batch(layout, 32, 8, 128, np.float16, seed=2)
     bf16 = _common.make_device_batch(layout, 32, 8, 128, _common.resolve_dtype("bfloat16"), seed=2)
     k8, v8 = (cupaged.fp8.to_e4m3(x) for x in (f16.k_cache, f16.v_cache))
     head = cupy.full(8, 0.5, dtype=cupy.float32)
     hnd = [cupy.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in (f16.k_cache, f16.v_cache)]
+    lse_buf = cupy.empty(f16.q.shape[:2], dtype=cupy.float32)
     cases = {
-        "fp16 (this harness)": (f16.q, f16.k_cache, f16.v_cache, None, {}),
+        "fp16": (f16.q, f16.k_cache, f16.v_cache, None, {}),
         "bf16": (bf16.q, bf16.k_cache, bf16.v_cache, None, {}),
         "fp8 per-tensor scales": (f16.q, k8, v8, "float8_e4m3fn", dict(k_scale=0.5, v_scale=0.25)),
         "fp8 per-head scales": (f16.q, k8, v8, "float8_e4m3fn", dict(k_scale=head, v_scale=head)),
         "soft cap": (f16.q, f16.k_cache, f16.v_cache, None, dict(logits_soft_cap=30.0)),
         "HND": (f16.q, *hnd, None, dict(kv_layout="HND")),
-        "return_lse": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True)),
+        "return_lse (allocates the LSE)": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True)),
+        "return_lse into lse=": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True, lse=lse_buf)),
     }
+    calls = {}
     for name, (q, k, v, kv_dtype, kw) in cases.items():
         plan = cupaged.plan_decode(f16.table, 32, 8, 128, q.dtype, kv_dtype=kv_dtype)
         out = cupy.empty_like(q)
-        timed(lambda: cupaged.decode(q, k, v, f16.table, plan, out=out, **kw), f"decode call, {name}")
+        calls[f"decode call, {name}"] = (lambda q=q, k=k, v=v, plan=plan, out=out, kw=kw:
+                                         cupaged.decode(q, k, v, f16.table, plan, out=out, **kw))
+    runner = cupaged.DecodeRunner(32, 8, 128, np.float16, page_size=16, max_batch=args.batch,
+                                  max_pages=int(f16.table.indptr[-1]))
+    runner.plan(f16.table)
+    out = cupy.empty_like(f16.q)
+    calls["DecodeRunner.run, fp16 (checked, no graph)"] = lambda: runner.run(f16.q, f16.k_cache, f16.v_cache, out)
+    times = {label: [] for label in calls}
+    per_round = {label: [] for label in calls}
+    for _ in range(rounds):
+        for label, fn in calls.items():
+            t = sample(fn, args.calls // rounds)
+            times[label] += t
+            per_round[label].append(statistics.median(t))
+    for label in calls:
+        r = per_round[label]
+        report(times[label], label, f"; round medians {min(r):.2f}-{max(r):.2f}")
 
 
 if __name__ == "__main__":

@@ -178,3 +178,32 @@ def test_plans_and_their_launch_state_are_freed():
     gc.collect()
     assert ref() is None and len(dec._plan_states) == before
     check_close(out.get().astype(np.float64), lse.get().astype(np.float64), *reference.decode(*host, table), F16)
+
+
+@pytest.mark.parametrize("method", ["v2", "v1", "gather"])
+def test_lse_buffer_is_written_and_returned(method, monkeypatch):
+    """decode(lse=...) writes the LSE into the caller's buffer (returned with
+    return_lse, the same object), on every method; on v2 the repeated call
+    with another buffer of the same kind takes the hot path; a buffer of the
+    wrong shape, dtype or layout is refused."""
+    cp = _cp()
+    counts = _count_launches(monkeypatch)
+    (q, k, v), table, host = batch(77, [300, 41, 1700, 0], mid_page=True)
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16, target_ctas=10**6)
+    want = reference.decode(*host, table)
+    for step in range(2):
+        buf = cp.full((4, 32), cp.nan, dtype=cp.float32)
+        out, lse = cupaged.decode(q, k, v, table, plan, method=method, lse=buf, return_lse=True)
+        assert lse is buf
+        check_close(out.get().astype(np.float64), buf.get().astype(np.float64), *want, F16)
+    if method == "v2":
+        assert counts == {"checked": 1, "hot": 1}
+        buf[...] = cp.nan
+        assert cupaged.decode(q, k, v, table, plan, lse=buf) is not None  # written, not returned
+        cp.cuda.runtime.deviceSynchronize()
+        assert np.isfinite(buf.get()[:3]).all()
+    for bad, err in ((cp.empty((4, 31), cp.float32), cupaged.ShapeError),
+                     (cp.empty((4, 32), cp.float16), cupaged.DTypeError),
+                     (cp.empty((32, 4), cp.float32).T, cupaged.LayoutError)):
+        with pytest.raises(err):
+            cupaged.decode(q, k, v, table, plan, method=method, lse=bad)
