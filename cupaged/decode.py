@@ -770,10 +770,10 @@ class _HotCall:
         self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
         self.get_device, self.get_stream = cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
         device = self.device = q.data.device_id
-        # k and v as passed (HND: before the NHD view)
-        self.meta = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype)
-        self.devices = (device, device, device, device)
-        self.out_meta = (q.shape, q.dtype, out.strides, device)
+        # k and v as passed (HND: before the NHD view); out as given (or as allocated)
+        self.meta = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+                     q.shape, out.strides, q.dtype)
+        self.devices = (device, device, device, device, device)
         rows = q.shape[:2]
         self.lse_meta = (rows, np.dtype(np.float32), (4 * rows[1], 4), device)
 
@@ -789,19 +789,18 @@ class _HotCall:
             return None
         if self.env is not _NO_ENV and _env_method_raw() != self.env:
             return None
-        if (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype) != self.meta:
-            return None
-        qp, kp, vp = q.data, k.data, v.data
-        qa, ka, va = qp.ptr, kp.ptr, vp.ptr
-        stream = state.stream_ptr
-        if ((qa | ka | va) & 15 or (qp.device_id, kp.device_id, vp.device_id, self.get_device()) != self.devices
-                or self.get_stream().ptr != stream):
-            return None
         if out is None:
             out = self.empty(self.meta[0], dtype=self.meta[2])
-            if out.strides != self.out_meta[2]:
-                return None
-        elif type(out) is not nd or (out.shape, out.dtype, out.strides, out.data.device_id) != self.out_meta:
+        elif type(out) is not nd:
+            return None
+        if (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+                out.shape, out.strides, out.dtype) != self.meta:
+            return None
+        qp, kp, vp, op = q.data, k.data, v.data, out.data
+        qa, ka, va = qp.ptr, kp.ptr, vp.ptr
+        stream = state.stream_ptr
+        if ((qa | ka | va) & 15 or self.get_stream().ptr != stream
+                or (qp.device_id, kp.device_id, vp.device_id, op.device_id, self.get_device()) != self.devices):
             return None
         if lse is not None:
             if type(lse) is not nd or (lse.shape, lse.dtype, lse.strides, lse.data.device_id) != self.lse_meta:
@@ -809,7 +808,7 @@ class _HotCall:
         elif return_lse:
             lse = self.empty(self.lse_meta[0], dtype=self.float32)
         with state.lock:
-            state.launch_pointers(qa, ka, va, out.data.ptr, None if lse is None else lse.data.ptr, stream)
+            state.launch_pointers(qa, ka, va, op.ptr, None if lse is None else lse.data.ptr, stream)
         return (out, lse) if return_lse else out
 
 

@@ -258,6 +258,16 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     launch, fn, grid, block, smem, arg = (state._launch, state.function, state.units * state.heads_groups,
                                           state.block, state.smem, state.params_ptr)
     timed(lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, arg, 0), "piece: driver launchKernel alone")
+    import ctypes
+
+    size = ctypes.c_size_t(ctypes.sizeof(state.params))
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(state.params), 2, ctypes.addressof(size), 0)
+    timed(lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, 0, ctypes.addressof(extra)),
+          "piece: driver launchKernel, parameters as one 'extra' buffer")
+    empty = cupy.RawKernel('extern "C" __global__ void empty_kernel() {}', "empty_kernel")
+    empty((1,), (32,), ())
+    efn = empty.kernel.ptr
+    timed(lambda: launch(efn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), "piece: driver launchKernel of an empty kernel")
     p = state.params
     ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr)
 
