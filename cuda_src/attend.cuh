@@ -118,8 +118,7 @@ __device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEA
     }
     const float inv = denom > 0.f ? out_scale / denom : 0.f;
     o.x *= inv; o.y *= inv; o.z *= inv; o.w *= inv;
-    emit.value(h, d, o);
-    if (d == 0) emit.lse(h, denom > 0.f ? m_safe + fast_log2(denom) : neg_inf());
+    emit.finish(h, d, o, denom > 0.f ? m_safe + fast_log2(denom) : neg_inf());
   }
 }
 
@@ -160,8 +159,8 @@ __device__ __forceinline__ void for_each_page_window(const int* __restrict__ req
 // Attends query heads [0, HEADS) at q (head stride stride_q_head) over the
 // visible slots [slot_begin, slot_end) of one request; a slot s lives in page
 // req_pages[s / page_size] at entry s % page_size. Calls
-// emit.value(h, d, float4) for every 4 output elements of head h (normalized
-// by the softmax denominator) and emit.lse(h, lse) once per head (log2).
+// emit.finish(h, d, float4 o, lse) for every 4 output elements of head h (o
+// normalized by the softmax denominator, lse its log2).
 // An empty range emits zeros and -inf. Must be called by all NUM_THREADS threads.
 //
 // K/V move global -> shared with cp.async, STAGES - 1 tiles ahead of the
@@ -362,19 +361,29 @@ __device__ __forceinline__ void cta_attend(
 }
 
 // Emits into a [rows, heads, HEAD_DIM] output of storage T with strides, and
-// an optional float32 [rows, heads] LSE (contiguous).
+// an optional float32 [rows, heads] LSE (contiguous). With sinks (a final
+// output, never a partial), head h's sink logit z (natural log) is one more
+// softmax denominator term: lse' = log2(2^lse + 2^(z log2 e)), o' = o 2^(lse - lse').
 template <typename T>
 struct EmitStrided {
   T* out;              // points at (row, first head of the CTA)
   long long stride_head;
   float* lse_out;      // points at (row, first head) or nullptr
-  __device__ __forceinline__ void value(int h, int d, float4 o) {
+  const float* sinks = nullptr;  // points at the first head's sink, or nullptr
+  // dims [d, d + 4) of head h: o normalized by its softmax denominator, lse its log2
+  __device__ __forceinline__ void finish(int h, int d, float4 o, float lse) {
+    if (sinks != nullptr) {
+      const float z = sinks[h] * 1.4426950408889634f;  // base 2
+      const float mx = fmaxf(lse, z);                 // z is finite: so is mx
+      const float total = mx + fast_log2(fast_exp2(lse - mx) + fast_exp2(z - mx));
+      const float f = fast_exp2(lse - total);         // lse = -inf: 0
+      o.x *= f; o.y *= f; o.z *= f; o.w *= f;
+      lse = total;
+    }
     T* p = out + h * stride_head + d;
     Storage<T>::store(p, o.x); Storage<T>::store(p + 1, o.y);
     Storage<T>::store(p + 2, o.z); Storage<T>::store(p + 3, o.w);
-  }
-  __device__ __forceinline__ void lse(int h, float x) {
-    if (lse_out != nullptr) lse_out[h] = x;
+    if (d == 0 && lse_out != nullptr) lse_out[h] = lse;
   }
 };
 

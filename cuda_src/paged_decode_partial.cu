@@ -53,6 +53,9 @@
 //   merge_counters   [batch * heads_groups] int32, all 0 before the launch and after it (null if no split)
 //   final_out        [batch, num_qo_heads, HEAD_DIM] T, strides (stride_o_batch, stride_o_head, 1)
 //   final_lse        [batch, num_qo_heads] float32 contiguous, may be null
+//   sinks            [num_qo_heads] float32 attention-sink logits (natural log, in the units of
+//                    q.k * sm_scale, not soft-capped), or null: each adds exp(sink) to its head's
+//                    softmax denominator in the final output (EmitStrided::finish), never in a partial
 //
 // Preconditions: the page table passed PageTable.validate() and every page id
 // is < num_pages (checked on the host); q, caches and strides are 16-byte
@@ -86,6 +89,7 @@ struct PartialParams {
   void* final_out;
   long long stride_o_batch, stride_o_head;
   float* final_lse;
+  const float* sinks;  // [num_qo_heads] float32 natural-log sink logits, or null
   int heads_groups, page_size, num_qo_heads, group_size, q_groups;
   float scale, soft_cap, v_scale;
 };
@@ -171,8 +175,9 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   const long long stride_o_head = p.stride_o_head;
   T* out = static_cast<T*>(p.final_out) + req * p.stride_o_batch + head0 * stride_o_head;
   float* lse_out = p.final_lse == nullptr ? nullptr : p.final_lse + (long long)req * num_qo_heads + head0;
+  const float* sinks = p.sinks == nullptr ? nullptr : p.sinks + head0;
   if (num_chunks == 1) {
-    EmitStrided<T> emit{out, stride_o_head, lse_out};
+    EmitStrided<T> emit{out, stride_o_head, lse_out, sinks};
     Attn::run(sm, emit, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
               slot_begin, slot_end);
     return;
@@ -195,8 +200,7 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
     const int h = item / D4, d = (item % D4) * 4;
     const Merged r =
         merge_partials(p.partial_v, p.partial_lse, chunk0, chunk0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d);
-    EmitStrided<T>{out, stride_o_head, lse_out}.value(h, d, r.o);
-    if (d == 0 && lse_out != nullptr) lse_out[h] = r.lse;
+    EmitStrided<T>{out, stride_o_head, lse_out, sinks}.finish(h, d, r.o, r.lse);
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }

@@ -38,7 +38,7 @@ class PartialParams(ctypes.Structure):
         ("v_cache", _P), ("stride_v_page", _LL), ("stride_v_token", _LL), ("stride_v_head", _LL),
         ("plan", _P), ("k_head_scale", _P), ("v_head_scale", _P),
         ("partial_v", _P), ("partial_lse", _P), ("merge_counters", _P),
-        ("final_out", _P), ("stride_o_batch", _LL), ("stride_o_head", _LL), ("final_lse", _P),
+        ("final_out", _P), ("stride_o_batch", _LL), ("stride_o_head", _LL), ("final_lse", _P), ("sinks", _P),
         ("heads_groups", _I), ("page_size", _I), ("num_qo_heads", _I), ("group_size", _I), ("q_groups", _I),
         ("scale", _F), ("soft_cap", _F), ("v_scale", _F),
     ]
@@ -204,13 +204,14 @@ class PartialLaunch:
         last = self.scores
         if (last is not None and last.scale == scores.scale and last.soft_cap == scores.soft_cap
                 and last.v_scale == scores.v_scale and last.k_head_scale is scores.k_head_scale
-                and last.v_head_scale is scores.v_head_scale):
+                and last.v_head_scale is scores.v_head_scale and last.sinks is scores.sinks):
             return
         p = self.params
         p.scale, p.soft_cap, p.v_scale = scores.scale, scores.soft_cap, scores.v_scale
-        ka, va = scores.k_head_scale, scores.v_head_scale
+        ka, va, sinks = scores.k_head_scale, scores.v_head_scale, scores.sinks
         p.k_head_scale = None if ka is None else ka.data.ptr
         p.v_head_scale = None if va is None else va.data.ptr
+        p.sinks = None if sinks is None else sinks.data.ptr
         self.scores = scores
 
     def launch(self, units: int) -> None:

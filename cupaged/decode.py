@@ -292,13 +292,30 @@ class ScoreArgs(NamedTuple):
     """The kernels' score arguments (cuda_src/paged_decode_partial.cu):
     base-2 logits ``s = (q.k) * scale * k_head_scale[h]``, then with a soft
     cap ``s = soft_cap * tanh(s)``; the output times ``v_scale *
-    v_head_scale[h]``. The per-head arrays are float32 CuPy ``[Hkv]`` or None."""
+    v_head_scale[h]``. The per-head arrays are float32 CuPy ``[Hkv]`` or None;
+    ``sinks`` float32 CuPy ``[Hq]`` (natural-log sink logits) or None."""
 
     scale: float
     soft_cap: float = 0.0
     v_scale: float = 1.0
     k_head_scale: Any = None
     v_head_scale: Any = None
+    sinks: Any = None
+
+
+def check_sinks(sinks, q):
+    """``sinks`` as a CuPy array the kernels can read: C-contiguous float32
+    ``[num_qo_heads]`` on q's device (values not checked, as the scales')."""
+    sinks = _as_cupy(sinks, "sinks")
+    if sinks.shape != (q.shape[1],):
+        raise ShapeError(f"sinks must be [num_qo_heads = {q.shape[1]}], got shape {sinks.shape}")
+    if sinks.dtype != np.float32:
+        raise DTypeError(f"sinks must be float32, got {sinks.dtype}")
+    if not sinks.flags.c_contiguous:
+        raise LayoutError(f"sinks must be contiguous, got strides {sinks.strides}")
+    if sinks.data.device_id != q.data.device_id:
+        raise DeviceMismatchError(f"sinks must be on q's device {q.data.device_id}, got {sinks.data.device_id}")
+    return sinks
 
 
 def _scale_arg(x, name: str, num_kv_heads: int, q):
@@ -383,7 +400,7 @@ def auto_method(table: PageTable) -> Selection:
 
 
 def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto", *,
-                  kv_layout: str = "NHD", per_head_scales: bool = False) -> Selection:
+                  kv_layout: str = "NHD", per_head_scales: bool = False, sinks: bool = False) -> Selection:
     """The path :func:`decode` takes for these arguments, and why.
 
     Launches nothing. Runs ``decode``'s input checks, but not its GPU check,
@@ -400,13 +417,14 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
         kv_layout: ``"NHD"`` or ``"HND"``, as for ``decode``.
         per_head_scales: True when the call passes per-head (array)
             ``k_scale``/``v_scale`` (v1 takes per-tensor scales only).
+        sinks: True when the call passes ``sinks`` (v1 takes none).
 
     Returns:
         A :class:`Selection`. The kernels decline a head_dim other than 64,
         96, 128 or 256, a non-contiguous head_dim, and a base pointer or
         stride that is not a multiple of 16 bytes; fp8 KV runs on v2 at
-        head_dim 64, 96 and 128 only; v1 takes no fp8 and no per-head
-        scales. For those the result is ``"gather"`` with the reason, e.g.
+        head_dim 64, 96 and 128 only; v1 takes no fp8, no per-head
+        scales and no sinks. For those the result is ``"gather"`` with the reason, e.g.
         ``"fallback from v2: head_dim 80 has no kernel instance (supported:
         (64, 96, 128, 256))"``.
 
@@ -430,7 +448,7 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
     k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
     variant = _check_inputs(q, k_cache, v_cache, table)
-    return _select(q, k_cache, v_cache, table, method, variant, per_head_scales)
+    return _select(q, k_cache, v_cache, table, method, variant, per_head_scales, sinks)
 
 
 def _select_method_name(method: str) -> str:
@@ -441,13 +459,15 @@ def _select_method_name(method: str) -> str:
 
 
 def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "",
-            per_head_scales: bool = False) -> Selection:
+            per_head_scales: bool = False, sinks: bool = False) -> Selection:
     method = _select_method_name(method)
     if method == "gather":
         return Selection("gather", "requested")
     decline = _kernel_decline_reason(q, k_cache, v_cache, method, variant)
     if decline is None and method == "v1" and per_head_scales:
         decline = "v1 takes per-tensor k_scale/v_scale only"
+    if decline is None and method == "v1" and sinks:
+        decline = "v1 takes no sinks"
     if decline is not None:
         log_fallback(method, decline)  # a WARNING, once per (method, reason)
         return Selection("gather", f"fallback from {method}: {decline}")
@@ -459,7 +479,8 @@ def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "
 # ---------------------------------------------------------------------- the entry
 def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, *, method: str = "auto",
            sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale=None, v_scale=None,
-           kv_layout: str = "NHD", out=None, return_lse: bool = False, lse=None, validate: bool = False):
+           kv_layout: str = "NHD", out=None, return_lse: bool = False, lse=None, sinks=None, window_left=None,
+           validate: bool = False):
     """Paged-attention decode: one query token per request against its paged KV.
 
     Args:
@@ -516,6 +537,19 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             num_qo_heads]`` array on q's device: the LSE is written there
             (returned with ``return_lse``) instead of a new array; saves an
             allocation (~2-3 us of host time) per call.
+        sinks: optional attention sinks (gpt-oss): a C-contiguous float32
+            ``[num_qo_heads]`` array on q's device of natural-log logits in
+            the units of ``q.k * sm_scale`` (not soft-capped). Head ``h``'s
+            softmax denominator gains ``exp(sinks[h])`` (nothing in the
+            numerator); the LSE includes it (an empty request: zeros, LSE
+            ``sinks[h] * log2(e)``). v2 and gather (v1 falls back to gather).
+        window_left: sliding window (Mistral, Gemma 2/3, gpt-oss): None or
+            -1 (none), an int ``W >= 0``, or an int ``[batch]`` array (-1:
+            none for that request). Each request's query, at its last
+            visible slot ``p``, sees slots ``p - W .. p`` only; pages before
+            the window are never read. Runs on ``table.windowed(W)`` (cached
+            on the table), so a held ``plan`` must be made for the same
+            window (``plan_decode(..., window_left=W)``).
         validate: a debugging aid, off by default. The default checks are
             O(1) host comparisons (no device sync); they trust the device
             copy of the table (``table.device()``). ``validate=True`` also
@@ -576,7 +610,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             hot = state.hot
             if hot is not None:
                 res = hot.launch(state, q, k_cache, v_cache, table, method,
-                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout), out, return_lse, lse)
+                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left), out,
+                                 return_lse, lse)
                 if res is not None:
                     return res
     if method not in METHODS or method == "auto":  # argument errors before the GPU check
@@ -585,7 +620,11 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     import cupy
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
-    raw_k, raw_v = k_cache, v_cache  # as passed: what the hot path's record compares
+    raw_k, raw_v, raw_table = k_cache, v_cache, table  # as passed: what the hot path's record compares
+    if window_left is not None:
+        if not isinstance(table, PageTable):
+            raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+        table = table.windowed(window_left)
     if kv_layout != "NHD":
         k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
     dtype = _check_inputs(q, k_cache, v_cache, table)
@@ -596,6 +635,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         scores = ScoreArgs((1.0 / math.sqrt(head_dim)) * LOG2E if sm_scale is None else _check_sm_scale(sm_scale))
     else:
         scores = _score_args(sm_scale, head_dim, logits_soft_cap, k_scale, v_scale, k_cache.shape[2], q)
+    if sinks is not None:
+        scores = scores._replace(sinks=check_sinks(sinks, q))
     if out is None:
         out = cupy.empty(q.shape, dtype=q.dtype)
     else:
@@ -610,7 +651,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
 
     selection = _select(q, k_cache, v_cache, table, method, dtype, scores.k_head_scale is not None
-                        or scores.v_head_scale is not None)
+                        or scores.v_head_scale is not None, scores.sinks is not None)
     if validate:
         from ._validate import check_device_table
 
@@ -619,7 +660,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         from .gather import gather_decode
 
         gather_decode(q, k_cache, v_cache, table, scores.scale, out, lse, soft_cap=scores.soft_cap,
-                      v_scale=scores.v_scale, k_head_scale=scores.k_head_scale, v_head_scale=scores.v_head_scale)
+                      v_scale=scores.v_scale, k_head_scale=scores.k_head_scale, v_head_scale=scores.v_head_scale,
+                      sinks=scores.sinks)
     elif q.shape[0] == 0:
         pass  # an empty batch has nothing to launch
     elif selection.method == "v1":
@@ -654,8 +696,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             # the record.
             eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
                         and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray)
-            state.hot = _HotCall(q, raw_k, raw_v, table, method, (sm_scale, logits_soft_cap, k_scale, v_scale,
-                                                                    kv_layout), out) if eligible else None
+            state.hot = _HotCall(q, raw_k, raw_v, raw_table, method, (
+                sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left), out) if eligible else None
     return (out, lse) if return_lse else out
 
 
@@ -784,7 +826,7 @@ class _HotCall:
         if table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd \
                 or type(v) is not nd:
             return None
-        rec = self.args  # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout)
+        rec = self.args  # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left)
         if args != rec and not all(map(_same_arg, args, rec)):
             return None
         if self.env is not _NO_ENV and _env_method_raw() != self.env:

@@ -9,11 +9,14 @@ kernels decline.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
 
 from .page_table import PageTable
+
+LOG2E = 1.0 / math.log(2.0)
 
 # table -> {device id: (page, slot, valid)}: one copy per device (issue 17: a
 # table used on two GPUs must not hand GPU 0's arrays to GPU 1)
@@ -64,14 +67,16 @@ def _e4m3_values(device_id: int):
 
 
 def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out, lse=None, *,
-                  soft_cap: float = 0.0, v_scale: float = 1.0, k_head_scale=None, v_head_scale=None) -> None:
+                  soft_cap: float = 0.0, v_scale: float = 1.0, k_head_scale=None, v_head_scale=None,
+                  sinks=None) -> None:
     """Writes the decode of ``q`` into ``out`` (and the log2 LSE into ``lse``).
 
     Score arguments as the kernels' (cupaged.decode.ScoreArgs): base-2 logits
     ``s = (q.k) * scale_log2 * k_head_scale[h]``, then ``soft_cap * tanh(s)``
     when ``soft_cap > 0``; output times ``v_scale * v_head_scale[h]``. Caches
     NHD views (HND is passed transposed); uint8 caches are fp8 e4m3 bits.
-    Shapes as :func:`cupaged.decode`.
+    ``sinks`` (float32 ``[Hq]``, natural log, or None): one more softmax
+    denominator term ``exp(sinks[h])`` per head. Shapes as :func:`cupaged.decode`.
     """
     import cupy
 
@@ -82,10 +87,11 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
     max_len = page.shape[1]
     if batch == 0:
         return
+    sink2 = None if sinks is None else sinks.astype(cupy.float32) * np.float32(LOG2E)  # base 2
     if max_len == 0:
         out[...] = 0
         if lse is not None:
-            lse[...] = -np.inf
+            lse[...] = -np.inf if sink2 is None else sink2[None, :]
         return
     # bfloat16 matmuls are not universally available in cuBLAS through CuPy:
     # compute in float32 for it, natively for float16/float32.
@@ -117,7 +123,13 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
         o *= np.float32(v_scale)
     if v_head_scale is not None:
         o *= v_head_scale[None, :, None, None]
+    lse_v = None
+    if lse is not None or sink2 is not None:
+        lse_v = cupy.where(denom > 0, m_safe + cupy.log2(cupy.where(denom > 0, denom, 1)), -np.inf)
+    if sink2 is not None:  # as the kernels' EmitStrided::finish
+        total = cupy.logaddexp2(lse_v, sink2.reshape(1, num_kv_heads, group, 1))
+        o *= cupy.exp2(lse_v - total)
+        lse_v = total
     out[...] = o.reshape(batch, num_qo_heads, head_dim).astype(out.dtype)
     if lse is not None:
-        lse_v = cupy.where(denom > 0, m_safe + cupy.log2(cupy.where(denom > 0, denom, 1)), -np.inf)
         lse[...] = lse_v.reshape(batch, num_qo_heads)

@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ._typing import IndexArray
-from .errors import NoGPUError, PageTableError
+from .errors import InvalidArgumentError, NoGPUError, PageTableError, ShapeError
 
 __all__ = ["PageTable", "DeviceTable", "build_page_table", "MAX_PAGE_SIZE"]
 
@@ -262,6 +262,7 @@ class PageTable:
         "_seq_lens",
         "_max_page_id",
         "_device",
+        "_windows",
         "__weakref__",  # gather index and plan caches key on the table
     )
 
@@ -338,7 +339,7 @@ class PageTable:
         self.indices, self.indptr = indices, indptr
         self.last_page_len, self.first_page_offset = last_page_len, first_page_offset
         self.page_size = page_size
-        self._device = None
+        self._device = self._windows = None
         self._request_pages, self._seq_lens, self._max_page_id = request_pages, seq_lens, max_page_id
         return self
 
@@ -349,6 +350,7 @@ class PageTable:
         self.first_page_offset = off
         self.page_size = page_size
         self._device = None
+        self._windows = None
         self.validate()
         pages = np.diff(indptr).astype(np.int32)
         # Zero-page requests get 0, not (−1)*P + last − 0.
@@ -512,6 +514,58 @@ class PageTable:
             f"of range for a cache of num_pages={n}"
         )
 
+    # -- sliding window ----------------------------------------------------
+
+    def windowed(self, window_left: Any) -> "PageTable":
+        """The table a sliding window leaves to each request's query, which
+        sits at the request's last visible slot ``p`` (positions count from
+        the first visible slot, ``first_page_offset`` honoured) and sees slots
+        ``p - W .. p`` only (FlashInfer's ``window_left``).
+
+        ``window_left``: None or -1 (no window: returns ``self``), an int
+        ``W >= 0``, or an int ``[B]`` array (``-1``: none for that request).
+        Pages wholly before the window are dropped and the window's first
+        slot becomes ``first_page_offset``, so a kernel never reads them;
+        the last visible slot, hence ``last_page_len``, stays. The result is
+        cached on the table (tables are immutable).
+
+        >>> t = PageTable.from_seq_lens([37, 5, 0], page_size=16)
+        >>> w = t.windowed(20)                 # each query sees its last 21 slots
+        >>> w.seq_lens.tolist(), w.request_pages.tolist(), w.first_page_offset.tolist()
+        ([21, 5, 0], [2, 1, 0], [0, 0, 0])
+        >>> t.windowed(3).first_page_offset.tolist()   # slots 33..36 of request 0: page 2, from entry 1
+        [1, 1, 0]
+        >>> t.windowed(-1) is t, t.windowed(3) is t.windowed(3)
+        (True, True)
+        """
+        w = window_array(window_left, self.batch_size)
+        if w is None:
+            return self
+        key = w.tobytes()
+        cache = self._windows
+        hit = None if cache is None else cache.get(key)
+        if hit is not None:
+            return hit
+        seq = self._seq_lens
+        skip = np.where(w < 0, 0, np.maximum(seq - 1 - w, 0))  # visible slots before the window
+        if not skip.any():
+            table = self
+        else:
+            P = self.page_size
+            first = self.first_page_offset.astype(np.int64) + skip  # from entry 0 of the first page
+            drop = first // P
+            pages = self._request_pages.astype(np.int64) - drop
+            req = np.repeat(np.arange(self.batch_size), self._request_pages)
+            local = np.arange(self.indices.shape[0]) - self.indptr[:-1].astype(np.int64)[req]
+            indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
+            np.cumsum(pages, out=indptr[1:])
+            table = PageTable._from_owned(self.indices[local >= drop[req]].astype(np.int32), indptr,
+                                          self.last_page_len.copy(), (first % P).astype(np.int32), P)
+        with _UPLOAD_LOCK:
+            if self._windows is None:
+                self._windows = {}
+            return self._windows.setdefault(key, table)
+
     # -- device copy -------------------------------------------------------
 
     def device(self) -> DeviceTable:
@@ -671,6 +725,20 @@ class PageTable:
             f"PageTable(batch_size={self.batch_size}, page_size={self.page_size}, "
             f"pages={self.indices.shape[0]}, seq_lens={lens})"
         )
+
+
+def window_array(window_left: Any, batch: int) -> np.ndarray | None:
+    """``window_left`` (None, an int, or an int ``[batch]`` array; -1: no
+    window) as int64 ``[batch]``, or None when no request has a window."""
+    if window_left is None:
+        return None
+    arr = np.asarray(window_left)
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (batch,)):
+        raise ShapeError(f"window_left must be None, an int or an int array [batch = {batch}], got {window_left!r}")
+    arr = np.broadcast_to(arr.astype(np.int64), (batch,))
+    if (arr < -1).any():
+        raise InvalidArgumentError(f"window_left must be >= 0, or -1 (no window), got {arr.tolist()}")
+    return None if (arr < 0).all() else arr
 
 
 def _rebuild_page_table(cls: type, indices, indptr, last_page_len, first_page_offset, page_size) -> PageTable:

@@ -619,7 +619,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
                 head_dim: int, dtype: Any, *, kv_dtype: Any = None,
                 deterministic: bool = False, pages_per_chunk: int | None = None,
                 max_pages_per_chunk: int | None = None, target_ctas: int | None = None,
-                num_sms: int | None = None) -> DecodePlan:
+                num_sms: int | None = None, window_left: Any = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
 
     One CTA per (chunk, KV head, q-head group); a chunk is at most
@@ -674,6 +674,10 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         target_ctas: keyword-only CTA target (default None).
         num_sms: keyword-only SM count for the default (default None: the
             current CUDA device's, else env ``CUPAGED_NUM_SMS``, else 132).
+        window_left: keyword-only sliding window (None, an int, or an int
+            ``[B]`` array; -1 none): plans ``table.windowed(window_left)``,
+            the table ``decode(..., window_left=...)`` runs on (pages before
+            the window get no CTA).
 
     Environment variables are read at call time; an empty value counts as
     unset.
@@ -747,6 +751,11 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         raise ArgumentTypeError(
             f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
             f"got {type(table).__name__}") from None
+    if window_left is not None:
+        if not hasattr(table, "windowed"):
+            raise ArgumentTypeError(f"window_left needs a cupaged.PageTable, got {type(table).__name__}")
+        table = table.windowed(window_left)
+        pages = table.request_pages
     batch = int(batch)
     if batch < 1:
         raise InvalidArgumentError(

@@ -588,15 +588,10 @@ def _check_sinks(sinks: Any, num_qo_heads: int) -> np.ndarray | None:
 
 def _check_window(window_left: Any, batch: int) -> np.ndarray:
     """Per request the window ``W`` (``-1``: none), int64 ``[B]``."""
-    if window_left is None:
-        return np.full(batch, -1, dtype=np.int64)
-    arr = np.asarray(window_left)
-    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim > 1 or (arr.ndim == 1 and arr.shape != (batch,)):
-        raise ShapeError(f"window_left must be None, an int or an int array [batch = {batch}], got {window_left!r}")
-    arr = np.broadcast_to(arr.astype(np.int64), (batch,))
-    if (arr < -1).any():
-        raise InvalidArgumentError(f"window_left must be >= 0, or -1 (no window), got {arr.tolist()}")
-    return arr
+    from .page_table import window_array
+
+    arr = window_array(window_left, batch)
+    return np.full(batch, -1, dtype=np.int64) if arr is None else arr
 
 
 def _prepare(q: Any, k_cache: Any, v_cache: Any, table: Any, kv_layout: Any,

@@ -33,7 +33,7 @@ import numpy as np
 from . import _configs, _launch
 from ._device import require_gpu
 from .decode import (LOG2E, ScoreArgs, _check_inputs, _check_out, _check_sm_scale, _kernel_decline_reason,
-                     _nhd_views, _score_args, check_lse, check_plan_for)
+                     _nhd_views, _score_args, check_lse, check_plan_for, check_sinks)
 from ._arrays import as_cupy
 from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
                      UnsupportedConfigError)
@@ -133,13 +133,18 @@ class DecodeRunner:
         self.current_table: PageTable | None = None
 
     # ------------------------------------------------------------------ plan
-    def plan(self, table: PageTable, plan: DecodePlan | None = None, **knobs) -> DecodePlan:
+    def plan(self, table: PageTable, plan: DecodePlan | None = None, *, window_left=None,
+             **knobs) -> DecodePlan:
         """Makes ``table`` (and its plan) the runner's current step: plans it
         with :func:`plan_decode` (``knobs`` are its keyword arguments) unless
         ``plan`` is given, and writes it into the image with one copy on the
         current stream, ordered before the next :meth:`run`. Returns the plan.
         Not while the stream is capturing (the copy reads pinned host memory
-        that the next plan rewrites).
+        that the next plan rewrites). With ``window_left`` (as for
+        :func:`cupaged.decode`) the runner's step is ``table.windowed(window_left)``
+        (a given ``plan`` must be made for that window); ``append_kv`` still
+        writes each request's last slot, which the window keeps. A model that
+        mixes windowed and full layers holds one runner per window.
 
         Raises CapacityError (the table exceeds max_batch or max_pages),
         PlanMismatchError (a plan for other shapes, or stale),
@@ -147,6 +152,7 @@ class DecodeRunner:
         plan_decode's errors."""
         if not isinstance(table, PageTable):
             raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+        table = table.windowed(window_left)
         with self._lock:
             self._check_device("plan")
             if self._is_capturing(self.stream.ptr):
@@ -183,7 +189,7 @@ class DecodeRunner:
     # ------------------------------------------------------------------- run
     def run(self, q, k_cache, v_cache, out=None, *, sm_scale: float | None = None,
             logits_soft_cap: float | None = None, k_scale=None, v_scale=None, kv_layout: str = "NHD",
-            return_lse: bool = False, lse=None):
+            return_lse: bool = False, lse=None, sinks=None):
         """Decodes the current plan's batch: request ``i`` reads ``q[i]`` and
         writes ``out[i]`` for ``i < batch`` (rows past it are neither read
         nor written). Arguments as for :func:`cupaged.decode`; ``lse``
@@ -231,7 +237,10 @@ class DecodeRunner:
             self._num_pages = k_cache.shape[0]
             launch = self._launch
             launch.set_arrays(q, k_cache, v_cache, out, lse)
-            launch.set_scores(self._scores(sm_scale, logits_soft_cap, k_scale, v_scale, q))
+            scores = self._scores(sm_scale, logits_soft_cap, k_scale, v_scale, q)
+            if sinks is not None:
+                scores = scores._replace(sinks=check_sinks(sinks, q))
+            launch.set_scores(scores)
             launch.launch(self.max_units if capturing else launch.units)
             return (out, lse) if return_lse else out
 
