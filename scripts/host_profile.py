@@ -268,6 +268,9 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     empty((1,), (32,), ())
     efn = empty.kernel.ptr
     timed(lambda: launch(efn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), "piece: driver launchKernel of an empty kernel")
+    own = cupy.cuda.Stream(non_blocking=True)
+    timed(lambda: launch(efn, 1, 1, 1, 32, 1, 1, 0, own.ptr, 0, 0),
+          "piece: driver launchKernel of an empty kernel, non-blocking stream")
     p = state.params
     ptrs = (dev.q.data.ptr, dev.k_cache.data.ptr, dev.v_cache.data.ptr, out.data.ptr)
 
@@ -286,8 +289,9 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
 def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None:
     """Host µs per held-plan decode call on every supported path (issue 17):
     fp16, bf16, fp8 with per-tensor and per-head scales, soft cap, HND,
-    return_lse (allocating the LSE, and into a given ``lse``), and
-    ``DecodeRunner.run`` (checked every call; no graph). The paths take
+    return_lse (allocating the LSE, and into a given ``lse``), sinks and a
+    sliding window (issue 18), and ``DecodeRunner.run`` (checked every call;
+    no graph), first on the legacy default stream, then on a non-blocking one. The paths take
     turns, ``rounds`` rounds of ``calls / rounds`` calls each, so that a slow
     stretch of the host (seen: one path 40 % slower in its own block) falls
     on every path alike; the line gives the median over all calls and the
@@ -308,10 +312,24 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None
         "HND": (f16.q, *hnd, None, dict(kv_layout="HND")),
         "return_lse (allocates the LSE)": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True)),
         "return_lse into lse=": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True, lse=lse_buf)),
+        "sinks": (f16.q, f16.k_cache, f16.v_cache, None, dict(sinks=cupy.full(32, 3.0, dtype=cupy.float32))),
+        "window_left": (f16.q, f16.k_cache, f16.v_cache, None, dict(window_left=args.ctx // 2)),
     }
+    for where, stream in (("legacy default stream", None),
+                          ("non-blocking stream", cupy.cuda.Stream(non_blocking=True))):
+        print(f"-- on the {where}")
+        if stream is None:
+            _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases)
+        else:
+            with stream:
+                _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases)
+
+
+def _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases) -> None:
     calls = {}
     for name, (q, k, v, kv_dtype, kw) in cases.items():
-        plan = cupaged.plan_decode(f16.table, 32, 8, 128, q.dtype, kv_dtype=kv_dtype)
+        plan = cupaged.plan_decode(f16.table, 32, 8, 128, q.dtype, kv_dtype=kv_dtype,
+                                   window_left=kw.get("window_left"))
         out = cupy.empty_like(q)
         calls[f"decode call, {name}"] = (lambda q=q, k=k, v=v, plan=plan, out=out, kw=kw:
                                          cupaged.decode(q, k, v, f16.table, plan, out=out, **kw))

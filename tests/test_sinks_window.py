@@ -133,16 +133,15 @@ def _outside_window_nan(b, window):
     """The batch's device caches with every slot the window leaves out set to
     NaN (fp8: the e4m3 NaN bits), so a kernel that reads one fails."""
     cp = _cp()
-    w = b.table.windowed(window)
-    num_pages = b.host[1].shape[0]
-    keep = visible_mask(w, num_pages)
-    if b.dev_kw.get("kv_layout") == "HND":
-        keep = keep[:, None, :, None]
-    else:
-        keep = keep[:, :, None, None]
-    keep = cp.asarray(keep)
-    fill = 0x7F if b.k.dtype == np.uint8 else np.nan
-    return tuple(cp.where(keep, x, x.dtype.type(fill)) for x in (b.k, b.v))
+    keep = visible_mask(b.table.windowed(window), b.host[1].shape[0])[:, :, None, None]
+    caches = []
+    for x in b.host[1:]:  # NHD host copies (HND batches: transposed back and forth)
+        hnd = b.dev_kw.get("kv_layout") == "HND"
+        nhd = x.transpose(0, 2, 1, 3) if hnd else x
+        fill = np.uint8(0x7F) if x.dtype == np.uint8 else np.array(np.nan, dtype=x.dtype)
+        y = np.where(keep, nhd, fill).astype(x.dtype)
+        caches.append(cp.asarray(np.ascontiguousarray(y.transpose(0, 2, 1, 3) if hnd else y)))
+    return tuple(caches)
 
 
 @gpu
