@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ArgumentTypeError
+from .errors import ArgumentTypeError, DeviceMismatchError, DTypeError, LayoutError, ShapeError
 
 __all__ = ["as_cupy", "dlpack_on_gpu", "is_device_array"]
 
@@ -166,3 +166,19 @@ def as_cupy(x: Any, name: str):
         f"{name} must be a CuPy array (or a CUDA array via __cuda_array_interface__ / DLPack), "
         f"got {_type_name(x)}{_hint(x, name)}"
     )
+
+
+def check_float32(x: Any, name: str, shape: tuple, device_id: int, device_of: str, shape_note: str = "",
+                  dtype_note: str = ""):
+    """``x`` (a CuPy array) if it is C-contiguous float32 of ``shape`` on
+    device ``device_id`` (``device_of``'s); else the error naming ``name``
+    (an LSE buffer, sinks, merge inputs)."""
+    if x.shape != shape:
+        raise ShapeError(f"{name} must have shape {shape}{shape_note}, got {x.shape}")
+    if x.dtype != np.float32:
+        raise DTypeError(f"{name} must be float32{dtype_note}, got {x.dtype}")
+    if not x.flags.c_contiguous:
+        raise LayoutError(f"{name} must be C-contiguous, got strides {x.strides}")
+    if x.data.device_id != device_id:
+        raise DeviceMismatchError(f"{name} must be on {device_of}'s device {device_id}, got device {x.data.device_id}")
+    return x

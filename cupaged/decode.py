@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _configs, _launch, _loader
-from ._arrays import as_cupy as _as_cupy
+from ._arrays import as_cupy as _as_cupy, check_float32
 from . import _env
 from ._device import require_gpu
 from ._log import log_fallback
@@ -231,17 +231,7 @@ def check_lse(lse, q):
     """``lse`` as a CuPy array if it can receive q's LSE: C-contiguous
     float32 ``[batch, num_qo_heads]`` on q's device (decode's and
     DecodeRunner.run's check; the runner passes q's rows it serves)."""
-    lse = _as_cupy(lse, "lse")
-    want = q.shape[:2]
-    if lse.shape != want:
-        raise ShapeError(f"lse must have shape {want} (q's first two), got {lse.shape}")
-    if lse.dtype != np.float32:
-        raise DTypeError(f"lse must be float32, got {lse.dtype}")
-    if not lse.flags.c_contiguous:
-        raise LayoutError(f"lse must be C-contiguous, got strides {lse.strides}")
-    if lse.data.device_id != q.data.device_id:
-        raise DeviceMismatchError(f"lse must be on q's device {q.data.device_id}, got device {lse.data.device_id}")
-    return lse
+    return check_float32(_as_cupy(lse, "lse"), "lse", q.shape[:2], q.data.device_id, "q", " (q's first two)")
 
 
 def _check_plan(plan: DecodePlan, table: PageTable, q, k_cache, dtype_name: str) -> None:
@@ -306,16 +296,8 @@ class ScoreArgs(NamedTuple):
 def check_sinks(sinks, q):
     """``sinks`` as a CuPy array the kernels can read: C-contiguous float32
     ``[num_qo_heads]`` on q's device (values not checked, as the scales')."""
-    sinks = _as_cupy(sinks, "sinks")
-    if sinks.shape != (q.shape[1],):
-        raise ShapeError(f"sinks must be [num_qo_heads = {q.shape[1]}], got shape {sinks.shape}")
-    if sinks.dtype != np.float32:
-        raise DTypeError(f"sinks must be float32, got {sinks.dtype}")
-    if not sinks.flags.c_contiguous:
-        raise LayoutError(f"sinks must be contiguous, got strides {sinks.strides}")
-    if sinks.data.device_id != q.data.device_id:
-        raise DeviceMismatchError(f"sinks must be on q's device {q.data.device_id}, got {sinks.data.device_id}")
-    return sinks
+    return check_float32(_as_cupy(sinks, "sinks"), "sinks", (q.shape[1],), q.data.device_id, "q",
+                         " (num_qo_heads)")
 
 
 def _scale_arg(x, name: str, num_kv_heads: int, q):

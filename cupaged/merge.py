@@ -8,7 +8,7 @@ from . import _configs
 from ._device import require_gpu
 from . import _loader
 from ._typing import DeviceArray, IndexArray
-from ._arrays import as_cupy as _as_cupy, is_device_array
+from ._arrays import as_cupy as _as_cupy, check_float32, is_device_array
 from .decode import _NULL, _THREADS, _elem_strides
 from .errors import (DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError, ShapeError,
                      UnsupportedConfigError)
@@ -102,14 +102,7 @@ def _check_merge_inputs(v, lse, o_indptr, out_dtype, validate: bool) -> str:
         raise DTypeError(f"v must be float32 (the partial kernel's workspace dtype), got {v.dtype}")
     if not v.flags.c_contiguous:
         raise LayoutError(f"v must be C-contiguous (the kernel reads it as one block), got strides {v.strides}")
-    if lse.shape != v.shape[:2]:
-        raise ShapeError(f"lse must have shape {v.shape[:2]} ([N, num_heads] of v), got {lse.shape}")
-    if lse.dtype != np.float32:
-        raise DTypeError(f"lse must be float32 (log2 units), got {lse.dtype}")
-    if not lse.flags.c_contiguous:
-        raise LayoutError(f"lse must be C-contiguous, got strides {lse.strides}")
-    if lse.data.device_id != v.data.device_id:
-        raise DeviceMismatchError(f"lse must be on v's device {v.data.device_id}, got device {lse.data.device_id}")
+    lse = check_float32(lse, "lse", v.shape[:2], v.data.device_id, "v", " ([N, num_heads] of v)", " (log2 units)")
     try:
         _configs.check_head_dim(v.shape[2])
     except ValueError as e:
