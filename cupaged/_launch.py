@@ -26,6 +26,14 @@ import numpy as np
 from . import _configs, _env, _loader
 
 _P, _LL, _I, _F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+NULL_PTR = np.uint64(0)  # a null pointer argument of a RawKernel call (v1, merge)
+THREADS = 128  # NUM_THREADS / MERGE_THREADS in cuda_src (v1, merge)
+
+
+def elem_strides(a, ndim: int) -> tuple:
+    """The first ``ndim`` strides of ``a`` in elements, as int64 kernel arguments."""
+    isz = a.itemsize
+    return tuple(np.int64(s // isz) for s in a.strides[:ndim])
 
 
 class PartialParams(ctypes.Structure):

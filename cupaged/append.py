@@ -20,7 +20,8 @@ import numpy as np
 from . import _configs, _loader
 from ._typing import DeviceArray, IndexArray, Scale
 from ._device import require_gpu
-from .decode import KV_LAYOUTS, _as_cupy
+from ._arrays import as_cupy as _as_cupy
+from ._checks import KV_LAYOUTS, compute_capability
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
                      ShapeError, UnsupportedConfigError)
 from .page_table import PageTable
@@ -181,10 +182,10 @@ def append_kv(k_new: DeviceArray, v_new: DeviceArray, k_cache: DeviceArray, v_ca
             f"k_new, v_new, k_cache and v_cache are on device {device} but the current device is {current}; "
             f"call append_kv inside `with cupy.cuda.Device({device}):`"
         )
-    if launch.instance and _compute_capability(device) < 89:
+    if launch.instance and compute_capability(device) < 89:
         raise UnsupportedConfigError(
             f"an fp8 (e4m3) cache needs compute capability 8.9 or newer (cvt.rn.satfinite.e4m3x2); "
-            f"device {device} has {_compute_capability(device) / 10:.1f}"
+            f"device {device} has {compute_capability(device) / 10:.1f}"
         )
     if launch.num_tokens == 0 or table.batch_size == 0:  # nothing to write (a device append_indptr may
         return None                                     # pair an empty batch with new tokens)
@@ -503,13 +504,6 @@ def _check_append_indptr(append_indptr, batch: int, tokens: int, seq_lens: np.nd
             "slots; the table must already include the new tokens (pool.append, then pool.page_table)"
         )
     return host
-
-
-@functools.lru_cache(maxsize=None)
-def _compute_capability(device: int) -> int:
-    import cupy
-
-    return int(cupy.cuda.Device(device).compute_capability)
 
 
 # --------------------------------------------------------------------------- launch

@@ -55,7 +55,7 @@ from . import _configs
 from ._typing import DeviceArray, HostArray, IndexArray, Scale
 from .errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
-from .decode import KV_LAYOUTS, _check_out, _dtype_variant
+from ._checks import KV_LAYOUTS, check_out, dtype_variant
 from .page_table import PageTable
 from .plan import MAX_HEADS_PER_CTA, DecodePlan, heads_per_cta, plan_decode
 
@@ -557,7 +557,8 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
     require_gpu("cupaged.cascade_decode")
     import cupy
 
-    from .decode import _as_cupy, decode
+    from ._arrays import as_cupy as _as_cupy
+    from .decode import decode
     from .merge import _launch_merge
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
@@ -568,7 +569,7 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
         raise ShapeError(f"k_cache must be 4-D (kv_layout {kv_layout!r}), got shape {k_cache.shape}")
     if kv_layout not in KV_LAYOUTS:
         raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    _dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)  # decode's rule and DTypeError
+    dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)  # decode's rule and DTypeError
     batch, hq, d = q.shape
     hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
     if unique_table.batch_size != batch:
@@ -580,14 +581,14 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
     if plan is None:
         if batch == 0:
             _group_indptr(group_indptr, shared_table.batch_size, 0)
-            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _check_out(out, q)
+            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else check_out(out, q)
             lse = cupy.empty((0, hq), dtype=cupy.float32)
             return (out, lse) if return_lse else out
         plan = plan_cascade(shared_table, unique_table, group_indptr, hq, hkv, d, q.dtype,
                             kv_dtype=None if k_cache.dtype == q.dtype else k_cache.dtype)
     else:
         _check_plan(plan, q, k_cache, hkv, shared_table, unique_table, group_indptr)
-    out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _check_out(out, q)
+    out = cupy.empty(q.shape, dtype=q.dtype) if out is None else check_out(out, q)
     lse = cupy.empty((batch, hq), dtype=cupy.float32) if return_lse else None
 
     buf = _buffers.get(plan)

@@ -9,7 +9,7 @@ from ._device import require_gpu
 from . import _loader
 from ._typing import DeviceArray, IndexArray
 from ._arrays import as_cupy as _as_cupy, check_float32, is_device_array
-from .decode import _NULL, _THREADS, _elem_strides
+from ._launch import NULL_PTR, THREADS, elem_strides
 from .errors import (DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError, ShapeError,
                      UnsupportedConfigError)
 
@@ -167,8 +167,8 @@ def _device_id(a) -> int | None:
 
 def _launch_merge(v, v_lse, o_indptr, rows: int, out, lse):
     heads, head_dim = v.shape[1], v.shape[2]
-    heads_per_cta = _THREADS // (head_dim // 4)
+    heads_per_cta = THREADS // (head_dim // 4)
     kernel = _loader.get_kernel("merge", _configs.dtype_name(out.dtype), head_dim)
     grid = (rows, -(-heads // heads_per_cta), 1)
-    kernel(grid, (_THREADS,), (v, v_lse, o_indptr, np.int32(heads), out, *_elem_strides(out, 2),
-                               _NULL if lse is None else lse))
+    kernel(grid, (THREADS,), (v, v_lse, o_indptr, np.int32(heads), out, *elem_strides(out, 2),
+                               NULL_PTR if lse is None else lse))

@@ -25,15 +25,14 @@ share.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
 
 from . import _configs, _launch
 from ._device import require_gpu
-from .decode import (LOG2E, ScoreArgs, _check_inputs, _check_out, _check_sm_scale, _kernel_decline_reason,
-                     _nhd_views, _score_args, check_lse, check_plan_for, check_sinks)
+from ._checks import (call_scores, check_inputs, check_lse, check_out, check_plan_for, kernel_decline_reason,
+                      nhd_views)
 from ._arrays import as_cupy
 from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
                      UnsupportedConfigError)
@@ -215,21 +214,21 @@ class DecodeRunner:
             self._check_device("run")
             q, k_cache, v_cache = as_cupy(q, "q"), as_cupy(k_cache, "k_cache"), as_cupy(v_cache, "v_cache")
             if kv_layout != "NHD":
-                k_cache, v_cache = _nhd_views(k_cache, v_cache, kv_layout)
+                k_cache, v_cache = nhd_views(k_cache, v_cache, kv_layout)
             capturing = self._is_capturing(self.stream.ptr) != 0
             rows = self.max_batch if capturing else plan.batch_size
             if q.ndim != 3 or q.shape[0] < rows:
                 raise ShapeError(f"q must be [rows, {self.num_qo_heads}, {self.head_dim}] with rows >= {rows} "
                                  f"({'max_batch, while capturing' if capturing else 'the batch'}), got {q.shape}")
             table = self.current_table
-            variant = _check_inputs(q[:plan.batch_size], k_cache, v_cache, table)
+            variant = check_inputs(q[:plan.batch_size], k_cache, v_cache, table)
             if (q.shape[1], k_cache.shape[2], variant) != (self.num_qo_heads, self.num_kv_heads, self.variant):
                 raise ShapeError(f"the runner serves {self.num_qo_heads} q / {self.num_kv_heads} kv heads of "
                                  f"{self.variant}, the call has {q.shape[1]} / {k_cache.shape[2]} of {variant}")
-            decline = _kernel_decline_reason(q, k_cache, v_cache, "v2", variant)
+            decline = kernel_decline_reason(q, k_cache, v_cache, "v2", variant)
             if decline is not None:
                 raise UnsupportedConfigError(f"DecodeRunner: {decline}")
-            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _check_out(out, q)
+            out = cupy.empty(q.shape, dtype=q.dtype) if out is None else check_out(out, q)
             if lse is None and return_lse:
                 lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
             elif lse is not None:
@@ -237,10 +236,8 @@ class DecodeRunner:
             self._num_pages = k_cache.shape[0]
             launch = self._launch
             launch.set_arrays(q, k_cache, v_cache, out, lse)
-            scores = self._scores(sm_scale, logits_soft_cap, k_scale, v_scale, q)
-            if sinks is not None:
-                scores = scores._replace(sinks=check_sinks(sinks, q))
-            launch.set_scores(scores)
+            launch.set_scores(call_scores(sm_scale, self.head_dim, logits_soft_cap, k_scale, v_scale, sinks,
+                                          self.num_kv_heads, q))
             launch.launch(self.max_units if capturing else launch.units)
             return (out, lse) if return_lse else out
 
@@ -278,12 +275,6 @@ class DecodeRunner:
             pointers = tuple(np.uint64(base + 4 * off) for off in (indices, indptr, last, first))
             _launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch,
                            (pointers, base + 4 * _launch.HEADER_BATCH, rows))
-
-    def _scores(self, sm_scale, logits_soft_cap, k_scale, v_scale, q) -> ScoreArgs:
-        if logits_soft_cap is None and k_scale is None and v_scale is None:
-            return ScoreArgs((1.0 / math.sqrt(self.head_dim)) * LOG2E if sm_scale is None
-                             else _check_sm_scale(sm_scale))
-        return _score_args(sm_scale, self.head_dim, logits_soft_cap, k_scale, v_scale, self.num_kv_heads, q)
 
     def _check_device(self, what: str) -> None:
         """The runner's device and stream must be current (its buffers are theirs)."""

@@ -412,9 +412,9 @@ def test_fp8_below_cc89_declines_to_gather(monkeypatch):
     capability faked here) fp8 decode takes the gather path, and says why."""
     import importlib
 
-    decode_module = importlib.import_module("cupaged.decode")  # (cupaged.decode is the function)
+    checks = importlib.import_module("cupaged._checks")
     b = make_batch(62, [70, 500], kv_dtype=FP8, scale_mode="tensor")
-    monkeypatch.setattr(decode_module, "_compute_capability", lambda device_id: 80)
+    monkeypatch.setattr(checks, "compute_capability", lambda device_id: 80)
     sel = cupaged.select_method(*b.dev, b.table, method="v2")
     assert sel.method == "gather" and "8.9" in sel.reason
     out, lse = run("v2", b)

@@ -31,8 +31,8 @@ import pytest
 
 import cupaged
 from cupaged import _validate, reference
-from cupaged.decode import (_check_core, _check_inputs, _check_out, _check_plan, _check_sm_scale, _select,
-                            default_method)
+from cupaged._checks import check_core, check_inputs, check_out, check_plan, check_sm_scale
+from cupaged.decode import _select, default_method
 from cupaged.errors import (ArgumentTypeError, CupagedError, DeviceMismatchError, DTypeError, InvalidArgumentError,
                             LayoutError, NoGPUError, OutOfPagesError, PageTableError, PlanMismatchError, ShapeError,
                             UnknownSequenceError, UnsupportedConfigError)
@@ -140,12 +140,12 @@ INPUT_ROWS = {
 def test_decode_input_checks_cpu(row):
     cls, fragment, args = INPUT_ROWS[row]
     with pytest.raises(cls, match=_escape(fragment)):
-        _check_inputs(*args)
+        check_inputs(*args)
 
 
 def test_decode_input_checks_accept_a_valid_call_cpu():
-    assert _check_inputs(*fakes(), TABLE) == "float16"
-    assert _check_inputs(*fakes(dtype=np.float32), TABLE) == "float32"
+    assert check_inputs(*fakes(), TABLE) == "float16"
+    assert check_inputs(*fakes(dtype=np.float32), TABLE) == "float32"
 
 
 OUT_ROWS = {
@@ -164,10 +164,9 @@ def test_decode_out_checks_cpu(row, monkeypatch):
     pytest.importorskip("cupy")  # _as_cupy imports it (no device needed)
     cls, fragment, out = OUT_ROWS[row]
     if isinstance(out, FakeArray):  # a stand-in is no CuPy array: let it past _as_cupy
-        # (cupaged.decode is the function; the module is in sys.modules)
-        monkeypatch.setattr(sys.modules["cupaged.decode"], "_as_cupy", lambda x, name: x)
+        monkeypatch.setattr(sys.modules["cupaged._checks"], "as_cupy", lambda x, name: x)
     with pytest.raises(cls, match=_escape(fragment)):
-        _check_out(out, FakeArray(Q_SHAPE))
+        check_out(out, FakeArray(Q_SHAPE))
 
 
 def test_select_method_rejects_numpy_inputs_cpu():
@@ -200,9 +199,9 @@ def test_env_method_cpu(monkeypatch):
 def test_env_core_cpu(monkeypatch, core, dtype, fragment):
     monkeypatch.setenv("CUPAGED_CORE", core)
     with pytest.raises(UnsupportedConfigError, match=_escape(fragment)):
-        _check_core(dtype, 128)
+        check_core(dtype, 128)
     monkeypatch.setenv("CUPAGED_CORE", "simt")
-    _check_core(dtype, 128)  # serves every dtype
+    check_core(dtype, 128)  # serves every dtype
 
 
 @pytest.mark.parametrize("sm_scale, cls, fragment", [
@@ -213,11 +212,11 @@ def test_env_core_cpu(monkeypatch, core, dtype, fragment):
 ])
 def test_sm_scale_cpu(sm_scale, cls, fragment):
     with pytest.raises(cls, match=fragment):
-        _check_sm_scale(sm_scale)
+        check_sm_scale(sm_scale)
 
 
 def test_sm_scale_accepts_zero_and_negative_cpu():
-    assert _check_sm_scale(0) == 0.0 and _check_sm_scale(-0.5) < 0
+    assert check_sm_scale(0) == 0.0 and check_sm_scale(-0.5) < 0
 
 
 @pytest.mark.parametrize("ptr, strides, reason", [
@@ -245,18 +244,18 @@ def test_head_dim_without_kernel_falls_back_cpu():
 def test_plan_checks_cpu():
     q, k, _ = fakes()
     plan = cupaged.plan_decode(TABLE, 8, 2, 128, np.float16)
-    _check_plan(plan, TABLE, q, k, "float16")
+    check_plan(plan, TABLE, q, k, "float16")
     with pytest.raises(ArgumentTypeError, match="plan must be a cupaged.DecodePlan"):
-        _check_plan(object(), TABLE, q, k, "float16")
+        check_plan(object(), TABLE, q, k, "float16")
     fragment = "plan was built for (num_qo_heads, num_kv_heads, head_dim, dtype[+kv_dtype]) = (16, 2, 128, 'float16')"
     with pytest.raises(PlanMismatchError, match=_escape(fragment)):
-        _check_plan(cupaged.plan_decode(TABLE, 16, 2, 128, np.float16), TABLE, q, k, "float16")
+        check_plan(cupaged.plan_decode(TABLE, 16, 2, 128, np.float16), TABLE, q, k, "float16")
     with pytest.raises(PlanMismatchError, match="plan was built for"):
-        _check_plan(cupaged.plan_decode(TABLE, 8, 2, 128, np.float32), TABLE, q, k, "float16")
+        check_plan(cupaged.plan_decode(TABLE, 8, 2, 128, np.float32), TABLE, q, k, "float16")
     grown = cupaged.PageTable.from_seq_lens([40, 90, 40], 16)  # request 2: 2 -> 3 pages
     stale = cupaged.plan_decode(grown, 8, 2, 128, np.float16, pages_per_chunk=1)
     with pytest.raises(PlanMismatchError, match="stale plan"):
-        _check_plan(stale, TABLE, q, k, "float16")
+        check_plan(stale, TABLE, q, k, "float16")
 
 
 def test_stale_plan_says_what_changed_cpu():
@@ -267,14 +266,14 @@ def test_stale_plan_says_what_changed_cpu():
     grown = cupaged.PageTable.from_seq_lens([40, 90, 40], 16)  # request 2: 2 -> 3 pages
     stale = cupaged.plan_decode(grown, 8, 2, 128, np.float16, pages_per_chunk=1)
     with pytest.raises(PlanMismatchError, match=_escape("request 2: chunk count 3 -> 2 (2 pages at pages_per_chunk=1)")):
-        _check_plan(stale, TABLE, q, k, "float16")
+        check_plan(stale, TABLE, q, k, "float16")
     with pytest.raises(PlanMismatchError, match=_escape("request 2: chunk count 3 -> 2")):
         stale.chunk_token_ranges(TABLE)
     with pytest.raises(PlanMismatchError, match=_escape("request 2: chunk count 3 -> 2")):
         stale.chunk_page_ranges(TABLE)
     two = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([40, 90], 16), 8, 2, 128, np.float16)
     with pytest.raises(PlanMismatchError, match=_escape("batch size 2 -> 3")):
-        _check_plan(two, TABLE, q, k, "float16")
+        check_plan(two, TABLE, q, k, "float16")
     p32 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([40, 90, 17], 32), 8, 2, 128, np.float16)
     with pytest.raises(PlanMismatchError, match=_escape("page size 32 -> 16")):
         p32.chunk_page_ranges(TABLE)
