@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""GPU cost of attention sinks and of sliding windows (issue 18's targets:
+sinks no slower than without, within 2 %; a window W on a long request costs
+about (W + page) / ctx of the full call).
+
+Per cell (batch x ctx; 32 q / 8 kv heads, head_dim 128, page 16, fp16,
+shuffled pages, cupaged.testing.make_paged_batch) it times cupaged.decode with
+a held default plan under CUDA-graph replay (cupaged.testing.GraphTimer, 20
+calls a graph) for: no feature, ``sinks=`` (float32 [32]), and
+``window_left=W`` for W = ctx/8 and ctx/2 (each with its own
+``plan_decode(window_left=W)`` plan). The variants take turns over
+``--rounds`` rounds; the table gives each one's median µs, its ratio to the
+plain call and, for windows, the ratio (W + page) / ctx it should approach.
+Exit status: 0 ran, 3 no CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _common  # noqa: E402
+
+CELLS = ((1, 32768), (8, 32768), (32, 16384), (128, 4096))
+HQ, HKV, D, P = 32, 8, 128, 16
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--csv", help="also write the rows to this CSV file")
+    args = p.parse_args(argv)
+    _common.require_gpu()
+    import cupy
+    import numpy as np
+
+    import cupaged
+    from cupaged.testing import GraphTimer, make_paged_batch
+
+    rows = []
+    print(f"{'cell':>10} {'variant':>16} {'us':>9} {'/plain':>7} {'(W+P)/ctx':>9}")
+    for batch, ctx in CELLS:
+        b = make_paged_batch([ctx] * batch, HQ, HKV, D, "float16", page_size=P, seed=batch)
+        out = cupy.empty_like(b.q)
+        sinks = cupy.full(HQ, 3.0, dtype=cupy.float32)
+        variants = {"plain": ({}, None), "sinks": ({"sinks": sinks}, None)}
+        for w in (ctx // 8, ctx // 2):
+            variants[f"window {w}"] = ({"window_left": w}, w)
+        timers = {}
+        for name, (kw, w) in variants.items():
+            plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w)
+            timers[name] = GraphTimer(lambda plan=plan, kw=kw: cupaged.decode(
+                b.q, b.k_cache, b.v_cache, b.table, plan, out=out, **kw))
+        times = {name: [] for name in timers}
+        for _ in range(args.rounds):
+            for name, timer in timers.items():
+                times[name].append(timer.time_us(3))
+        plain = statistics.median(times["plain"])
+        for name, (kw, w) in variants.items():
+            us = statistics.median(times[name])
+            expect = "" if w is None else f"{(w + P) / ctx:.3f}"
+            print(f"{batch:>4}x{ctx:<5} {name:>16} {us:9.2f} {us / plain:7.3f} {expect:>9}")
+            rows.append((batch, ctx, name, round(us, 3), round(us / plain, 4), expect))
+        del timers, b
+        cupy.get_default_memory_pool().free_all_blocks()
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("batch,ctx,variant,us,ratio_to_plain,window_fraction\n")
+            f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
