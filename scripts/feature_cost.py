@@ -9,8 +9,8 @@ a held default plan under CUDA-graph replay (cupaged.testing.GraphTimer, 20
 calls a graph) for: no feature, ``sinks=`` (float32 [32]), and
 ``window_left=W`` for W = ctx/8 and ctx/2 (each with its own
 ``plan_decode(window_left=W)`` plan). The variants take turns over
-``--rounds`` rounds; the table gives each one's median µs, its ratio to the
-plain call and, for windows, the ratio (W + page) / ctx it should approach.
+``--rounds`` rounds; the table gives each one's median µs, the spread of
+its rounds ((max - min) / median), its ratio to the plain call and, for windows, the ratio (W + page) / ctx it should approach.
 Exit status: 0 ran, 3 no CUDA GPU.
 """
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from cupaged.testing import GraphTimer, make_paged_batch
 
     rows = []
-    print(f"{'cell':>10} {'variant':>16} {'us':>9} {'/plain':>7} {'(W+P)/ctx':>9}")
+    print(f"{'cell':>10} {'variant':>16} {'us':>9} {'spread%':>8} {'/plain':>7} {'(W+P)/ctx':>9}")
     for batch, ctx in CELLS:
         b = make_paged_batch([ctx] * batch, HQ, HKV, D, "float16", page_size=P, seed=batch)
         out = cupy.empty_like(b.q)
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
         timers = {}
         for name, (kw, w) in variants.items():
             plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w)
-            timers[name] = GraphTimer(lambda plan=plan, kw=kw: cupaged.decode(
+            timers[name] = GraphTimer(lambda plan=plan, kw=kw, b=b: cupaged.decode(
                 b.q, b.k_cache, b.v_cache, b.table, plan, out=out, **kw))
         times = {name: [] for name in timers}
         for _ in range(args.rounds):
@@ -63,14 +63,15 @@ def main(argv=None) -> int:
         plain = statistics.median(times["plain"])
         for name, (kw, w) in variants.items():
             us = statistics.median(times[name])
+            spread = 100 * (max(times[name]) - min(times[name])) / us  # over the rounds
             expect = "" if w is None else f"{(w + P) / ctx:.3f}"
-            print(f"{batch:>4}x{ctx:<5} {name:>16} {us:9.2f} {us / plain:7.3f} {expect:>9}")
-            rows.append((batch, ctx, name, round(us, 3), round(us / plain, 4), expect))
+            print(f"{batch:>4}x{ctx:<5} {name:>16} {us:9.2f} {spread:8.2f} {us / plain:7.3f} {expect:>9}")
+            rows.append((batch, ctx, name, round(us, 3), round(spread, 2), round(us / plain, 4), expect))
         del timers, b
         cupy.get_default_memory_pool().free_all_blocks()
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("batch,ctx,variant,us,ratio_to_plain,window_fraction\n")
+            f.write("batch,ctx,variant,us,spread_pct,ratio_to_plain,window_fraction\n")
             f.writelines(",".join(map(str, r)) + "\n" for r in rows)
     return 0
 

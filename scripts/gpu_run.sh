@@ -2,7 +2,7 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
-#        check ragged ragged_bench sweep sweep8 runtime occupancy ab
+#        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench, .nbpeer for notebook and .ab for ab;
 #  keep one call under 10 minutes)
@@ -36,8 +36,11 @@ steps:
   ragged_bench  the ragged-batch family against FlashInfer (fp16, bf16, fp8)
   sweep       chunk sweep of the ragged family, fp16 (the planner check)
   sweep8      chunk sweep of the ragged family, fp8 (every second cap)
-  runtime     GPU tests of the serving runtime, the kernels it changed and the
-              serving loop; memcheck of the runner tests
+  runtime     GPU tests of the serving runtime, the kernels it changed, sinks and
+              windows, and the serving loop; memcheck of the runner, hot-path and
+              sinks/window tests
+  features2   GPU time of sinks and sliding windows against the plain call
+              (feature_cost.py)
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
@@ -87,8 +90,11 @@ for s in $steps; do case $s in
   ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
   sweep8) run sweep_ragged8 330 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --rounds ${SWEEP_ROUNDS:-2} --csv $work/sweep_ragged8.csv" ;;
-  runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
-           run memcheck_runtime 150 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py -k 'not two_devices'" ;;
+  runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_sinks_window.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
+           # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
+           # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
+           run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
+  features2) run feature_cost 120 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in $(seq "${AB_ROUNDS:-2}"); do
