@@ -76,6 +76,27 @@ def test_windowed_per_request_and_errors():
             table.windowed(bad)
 
 
+def test_windowed_tables_are_plain_tables():
+    """A windowed table pickles, copies and validates like any other (its
+    window cache is not carried), and plan_decode(window_left=) needs a
+    PageTable."""
+    import copy
+    import pickle
+    import types
+
+    table = cupaged.PageTable.from_seq_lens([100, 3, 50], page_size=8, first_page_offset=[5, 0, 7])
+    w = table.windowed(np.array([20, -1, 9]))
+    for c in (pickle.loads(pickle.dumps(w)), copy.deepcopy(w)):
+        for name in ("indices", "indptr", "last_page_len", "first_page_offset"):
+            np.testing.assert_array_equal(getattr(c, name), getattr(w, name))
+        assert c.windowed(4).seq_lens.tolist() == [5, 3, 5]
+    w.validate()
+    duck = types.SimpleNamespace(batch_size=1, page_size=8, request_pages=np.array([2], np.int32))
+    with pytest.raises(cupaged.ArgumentTypeError, match="window_left"):
+        cupaged.plan_decode(duck, 4, 1, 64, np.float16, window_left=3)
+    assert cupaged.plan_decode(duck, 4, 1, 64, np.float16).batch_size == 1  # no window: duck tables plan
+
+
 # --------------------------------------------------------------- GPU: sinks
 
 

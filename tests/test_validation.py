@@ -321,15 +321,18 @@ def test_fallback_is_logged_once_per_configuration_cpu(caplog, monkeypatch):
         misaligned = (FakeArray(Q_SHAPE, ptr=8), *fakes()[1:])
         cupaged.select_method(*misaligned, TABLE, method="v2")
         assert cupaged.select_method(*fakes(), TABLE, method="v1", per_head_scales=True).method == "gather"
+        assert cupaged.select_method(*fakes(), TABLE, method="v1", sinks=True).method == "gather"
+        assert cupaged.select_method(*fakes(), TABLE, method="v2", sinks=True).method == "v2"
         assert cupaged.select_method(*d80, TABLE, method="gather").reason == "requested"
         assert cupaged.select_method(*fakes(), TABLE, method="v2").method == "v2"
     records = [r for r in caplog.records if r.name == "cupaged"]
-    assert [r.levelno for r in records] == [logging.WARNING] * 4, [r.getMessage() for r in records]
+    assert [r.levelno for r in records] == [logging.WARNING] * 5, [r.getMessage() for r in records]
     text = [r.getMessage() for r in records]
     assert "method='v2'" in text[0] and "head_dim 80 has no kernel instance" in text[0] and "gather" in text[0]
     assert "method='auto'" in text[1]
     assert "q is not 16-byte aligned" in text[2]
     assert "v1 takes per-tensor k_scale/v_scale only" in text[3]
+    assert "v1 takes no sinks" in text[4]
     _log.reset()
 
 
