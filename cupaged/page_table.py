@@ -549,18 +549,17 @@ class PageTable:
         seq = self._seq_lens
         skip = np.where(w < 0, 0, np.maximum(seq - 1 - w, 0))  # visible slots before the window
         if not skip.any():
-            table = self
-        else:
-            P = self.page_size
-            first = self.first_page_offset.astype(np.int64) + skip  # from entry 0 of the first page
-            drop = first // P
-            pages = self._request_pages.astype(np.int64) - drop
-            req = np.repeat(np.arange(self.batch_size), self._request_pages)
-            local = np.arange(self.indices.shape[0]) - self.indptr[:-1].astype(np.int64)[req]
-            indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
-            np.cumsum(pages, out=indptr[1:])
-            table = PageTable._from_owned(self.indices[local >= drop[req]].astype(np.int32), indptr,
-                                          self.last_page_len.copy(), (first % P).astype(np.int32), P)
+            return self  # (not cached: a table holding itself would wait for the cycle collector)
+        P = self.page_size
+        first = self.first_page_offset.astype(np.int64) + skip  # from entry 0 of the first page
+        drop = first // P
+        pages = self._request_pages.astype(np.int64) - drop
+        req = np.repeat(np.arange(self.batch_size), self._request_pages)
+        local = np.arange(self.indices.shape[0]) - self.indptr[:-1].astype(np.int64)[req]
+        indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        table = PageTable._from_owned(self.indices[local >= drop[req]].astype(np.int32), indptr,
+                                      self.last_page_len.copy(), (first % P).astype(np.int32), P)
         with _UPLOAD_LOCK:
             if self._windows is None:
                 self._windows = {}
