@@ -87,9 +87,9 @@ def dtype_variant(q_dtype, k_dtype, v_dtype) -> str:
         name = _configs.dtype_name(q_dtype)
         return _configs.variant(name, _configs.FP8) if fp8 else name
     except ValueError:
-        pairs = ", ".join(f"{qd} q with {kv} KV" for qd, kvs in _configs.KV_DTYPES.items() for kv in kvs)
         raise DTypeError(
-            f"q has dtype {q_dtype} and the caches {k_dtype}, which no kernel serves; supported: {pairs} "
+            f"q has dtype {q_dtype} and the caches {k_dtype}, which no kernel serves; supported: "
+            f"{_configs.pairs_text()} "
             "(an fp8 cache is a uint8 array of float8_e4m3fn bits)"
         ) from None
 

@@ -73,14 +73,18 @@ CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
 CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
 
 
+def pairs_text() -> str:
+    """The supported q/KV dtype pairs, for error messages."""
+    return ", ".join(f"{q} q with {kv} KV" for q, kvs in KV_DTYPES.items() for kv in kvs)
+
+
 def variant(dtype: str, kv_dtype: str | None = None) -> str:
     """Module variant name of (q dtype, KV dtype): the q dtype when they agree,
     else ``"<q>+<kv>"``; ``ValueError`` listing the supported pairs."""
     if kv_dtype is None or kv_dtype == dtype:
         return dtype
     if kv_dtype not in KV_DTYPES.get(dtype, ()):
-        pairs = ", ".join(f"{q} q with {kv} KV" for q, kvs in KV_DTYPES.items() for kv in kvs)
-        raise ValueError(f"unsupported q/KV dtype pair {dtype}/{kv_dtype}; supported: {pairs}")
+        raise ValueError(f"unsupported q/KV dtype pair {dtype}/{kv_dtype}; supported: {pairs_text()}")
     return f"{dtype}+{kv_dtype}"
 
 
