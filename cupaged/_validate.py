@@ -18,11 +18,13 @@ write from several CTAs. Both are for debugging, not for the serving loop.
 
 from __future__ import annotations
 
+import numbers
 import weakref
+from typing import Any
 
 import numpy as np
 
-from .errors import LayoutError, PageTableError, PlanMismatchError
+from .errors import InvalidArgumentError, LayoutError, PageTableError, PlanMismatchError
 from .page_table import DeviceTable, PageTable
 
 __all__ = ["check_device_table", "check_out_overlap", "plan_mismatch_reason", "check_plan_structure",
@@ -243,3 +245,16 @@ def check_out_overlap(out) -> None:
                 "outputs would be written to one address; pass a C-contiguous out"
             )
         extent = stride * (n - 1) + extent
+
+
+def positive_int(value: Any, name: str) -> int:
+    """``value`` as a Python int >= 1, else InvalidArgumentError naming ``name``
+    (plan_decode's and plan_cascade's sizes)."""
+    if type(value) is int and value >= 1:  # the common case, without the ABC checks
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
+    value = int(value)
+    if value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive integer, got {value}")
+    return value

@@ -44,7 +44,6 @@ Everything here is host NumPy except :func:`cascade_decode` (CuPy, lazily).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import weakref
 from types import SimpleNamespace
 from typing import Any
@@ -56,6 +55,7 @@ from ._typing import DeviceArray, HostArray, IndexArray, Scale
 from .errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError,
                      PlanMismatchError, ShapeError, UnsupportedConfigError)
 from ._checks import KV_LAYOUTS, check_out, dtype_variant
+from ._validate import positive_int
 from .page_table import PageTable
 from .plan import MAX_HEADS_PER_CTA, DecodePlan, heads_per_cta, plan_decode
 
@@ -78,7 +78,7 @@ def pseudo_group_size(heads: int) -> int:
     >>> pseudo_group_size(11), pseudo_group_size(9), pseudo_group_size(20)  # 11 CTAs -> 2, 3 -> 2, 4 -> 3
     (16, 16, 24)
     """
-    h = _positive_int(heads, "heads")
+    h = positive_int(heads, "heads")
     fewest = -(-h // MAX_HEADS_PER_CTA)
     if h // heads_per_cta(h) <= fewest:
         return h
@@ -86,14 +86,6 @@ def pseudo_group_size(heads: int) -> int:
 
 
 # ------------------------------------------------------------------------------ checks
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-    if int(value) < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {int(value)}")
-    return int(value)
-
-
 def _check_tables(shared_table: Any, unique_table: Any) -> None:
     for name, table in (("shared_table", shared_table), ("unique_table", unique_table)):
         if not isinstance(table, PageTable):
@@ -374,11 +366,11 @@ def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr:
     (256, 2048, 32, 128)
     """
     _check_tables(shared_table, unique_table)
-    hq = _positive_int(num_qo_heads, "num_qo_heads")
-    hkv = _positive_int(num_kv_heads, "num_kv_heads")
+    hq = positive_int(num_qo_heads, "num_qo_heads")
+    hkv = positive_int(num_kv_heads, "num_kv_heads")
     if hq % hkv:
         raise ShapeError(f"num_qo_heads ({hq}) must be a multiple of num_kv_heads ({hkv})")
-    d = _positive_int(head_dim, "head_dim")
+    d = positive_int(head_dim, "head_dim")
     if d not in _configs.HEAD_DIMS:
         raise UnsupportedConfigError(
             f"head_dim {d} has no merge kernel; cascade_decode supports head_dim "

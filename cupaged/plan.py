@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers "bfloat16" with np.dtype)
 import numpy as np
 
 from . import _configs, _env, _validate, schedule
+from ._validate import positive_int
 from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
 
 __all__ = [
@@ -106,18 +106,6 @@ DETERMINISTIC_CHUNK_TOKENS = 1024
 # --------------------------------------------------------------------------
 # argument checking
 # --------------------------------------------------------------------------
-def _positive_int(value: Any, name: str) -> int:
-    """``value`` as a Python int >= 1, else ValueError naming ``name``."""
-    if type(value) is int and value >= 1:  # the common case, without the ABC checks
-        return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value!r}")
-    value = int(value)
-    if value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive integer, got {value}")
-    return value
-
-
 #: The largest chunk size: the kernels take ``pages_per_chunk`` as a C ``int``
 #: and the plan stores it as int32 (2**32 would arrive as 0).
 MAX_PAGES_PER_CHUNK = 2**31 - 1
@@ -125,7 +113,7 @@ MAX_PAGES_PER_CHUNK = 2**31 - 1
 
 def _chunk_size(value: Any, name: str) -> int:
     """``value`` as an int in ``[1, MAX_PAGES_PER_CHUNK]``, else InvalidArgumentError naming ``name``."""
-    value = _positive_int(value, name)
+    value = positive_int(value, name)
     if value > MAX_PAGES_PER_CHUNK:
         raise InvalidArgumentError(
             f"{name} must be a positive integer <= {MAX_PAGES_PER_CHUNK}, got {value}")
@@ -211,7 +199,7 @@ def heads_per_cta(group_size: int) -> int:
     >>> heads_per_cta(7), heads_per_cta(11)   # primes above 8 -> 1 head per CTA
     (7, 1)
     """
-    g = _positive_int(group_size, "group_size")
+    g = positive_int(group_size, "group_size")
     for h in range(min(g, MAX_HEADS_PER_CTA), 0, -1):
         if g % h == 0:
             return h
@@ -225,7 +213,7 @@ def default_target_ctas(num_sms: int) -> int:
     >>> default_target_ctas(132)   # H200
     264
     """
-    return max(1, int(CTAS_PER_SM * _positive_int(num_sms, "num_sms")))
+    return max(1, int(CTAS_PER_SM * positive_int(num_sms, "num_sms")))
 
 
 def _chunks_per_request(pages: np.ndarray, c: int) -> np.ndarray:
@@ -244,7 +232,7 @@ def num_chunks(request_pages: Any, pages_per_chunk: int) -> int:
     >>> num_chunks([0, 1, 5], 2)   # the zero-page request still gets one chunk
     5
     """
-    c = _positive_int(pages_per_chunk, "pages_per_chunk")
+    c = positive_int(pages_per_chunk, "pages_per_chunk")
     pages = _request_pages(request_pages)
     return int(_chunks_per_request(pages, c).sum())
 
@@ -271,8 +259,8 @@ def choose_pages_per_chunk(request_pages: Any, ctas_per_chunk: int,
     >>> choose_pages_per_chunk([0, 0], 8, 1)        # no pages at all
     1
     """
-    cpc = _positive_int(ctas_per_chunk, "ctas_per_chunk")
-    target = _positive_int(target_ctas, "target_ctas")
+    cpc = positive_int(ctas_per_chunk, "ctas_per_chunk")
+    target = positive_int(target_ctas, "target_ctas")
     pages = _request_pages(request_pages)
     hi = max(1, int(pages.max()) if pages.size else 1)
     lo = 1
@@ -342,7 +330,7 @@ def deterministic_pages_per_chunk(page_size: int) -> int:
     >>> [deterministic_pages_per_chunk(p) for p in (1, 16, 32, 1000, 4096)]
     [1024, 64, 32, 1, 1]
     """
-    return max(1, DETERMINISTIC_CHUNK_TOKENS // _positive_int(page_size, "page_size"))
+    return max(1, DETERMINISTIC_CHUNK_TOKENS // positive_int(page_size, "page_size"))
 
 
 def device_num_sms() -> int | None:
@@ -375,7 +363,7 @@ def resolve_num_sms(num_sms: int | None = None) -> int:
     The env variable is read at call time.
     """
     if num_sms is not None:
-        return _positive_int(num_sms, "num_sms")
+        return positive_int(num_sms, "num_sms")
     dev = device_num_sms()
     if dev is not None:
         return dev
@@ -390,7 +378,7 @@ def resolve_target_ctas(target_ctas: int | None = None,
     """CTA target: argument > env ``CUPAGED_TARGET_CTAS`` >
     ``default_target_ctas(resolve_num_sms(num_sms))``; env read at call time."""
     if target_ctas is not None:
-        return _positive_int(target_ctas, "target_ctas")
+        return positive_int(target_ctas, "target_ctas")
     env = _env_positive_int(ENV_TARGET_CTAS)
     if env is not None:
         return env
@@ -722,12 +710,12 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         ...
     cupaged.errors.InvalidArgumentError: head_dim must be a positive multiple of 8, got 100
     """
-    hq = _positive_int(num_qo_heads, "num_qo_heads")
-    hkv = _positive_int(num_kv_heads, "num_kv_heads")
+    hq = positive_int(num_qo_heads, "num_qo_heads")
+    hkv = positive_int(num_kv_heads, "num_kv_heads")
     if hq % hkv:
         raise ShapeError(
             f"num_qo_heads ({hq}) must be divisible by num_kv_heads ({hkv})")
-    d = _positive_int(head_dim, "head_dim")
+    d = positive_int(head_dim, "head_dim")
     if d % 8:
         raise InvalidArgumentError(
             f"head_dim must be a positive multiple of 8, got {d}")
@@ -741,9 +729,9 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if max_pages_per_chunk is not None:
         max_pages_per_chunk = _chunk_size(max_pages_per_chunk, "max_pages_per_chunk")
     if target_ctas is not None:
-        target_ctas = _positive_int(target_ctas, "target_ctas")
+        target_ctas = positive_int(target_ctas, "target_ctas")
     if num_sms is not None:
-        num_sms = _positive_int(num_sms, "num_sms")
+        num_sms = positive_int(num_sms, "num_sms")
 
     try:
         batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
