@@ -523,11 +523,12 @@ def _launch_v1(q, k_cache, v_cache, table, dtype, scores: ScoreArgs, out, lse):
     if batch == 0:
         return
     kernel = _loader.get_kernel("v1", dtype, head_dim)
+    strides = _launch.elem_strides
     kernel(
         (batch, num_qo_heads, 1), (_launch.THREADS,),
-        (q, *_launch.elem_strides(q, 2), k_cache, *_launch.elem_strides(k_cache, 3), v_cache, *_launch.elem_strides(v_cache, 3),
+        (q, *strides(q, 2), k_cache, *strides(k_cache, 3), v_cache, *strides(v_cache, 3),
          *table.device(), np.int32(table.page_size), np.int32(num_qo_heads),
          np.int32(num_qo_heads // k_cache.shape[2]), np.float32(scores.scale), np.float32(scores.soft_cap),
-         np.float32(scores.v_scale), out, *_launch.elem_strides(out, 2),
+         np.float32(scores.v_scale), out, *strides(out, 2),
          _launch.NULL_PTR if lse is None else lse),
     )
