@@ -2,7 +2,7 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
-#        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2
+#        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench, .nbpeer for notebook and .ab for ab;
 #  keep one call under 10 minutes)
@@ -41,6 +41,10 @@ steps:
               sinks/window tests
   features2   GPU time of sinks and sliding windows against the plain call
               (feature_cost.py)
+  roofline    HBM read roofline: 8 GB read with int4 loads and with
+              cp.async.bulk into an mbarrier ring (roofline.py)
+  ncu_compare Nsight Compute of v2 and FlashInfer on 128 x 16384 (carry .peer;
+              not run yet: the kernel-name filter may need adjusting)
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
@@ -95,6 +99,9 @@ for s in $steps; do case $s in
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
   features2) run feature_cost 120 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
+  roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
+  ncu_compare)  # v2's partial kernel and FlashInfer's kernels on 128 x 16384 (carry .peer)
+    run ncu_compare 400 "$peer ncu --clock-control none -k regex:'paged_decode_partial|BatchDecode|BatchPrefill' --launch-skip 6 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats python3 scripts/microbench.py --batch 128 --ctx 16384 --methods v2 flashinfer --reps 1 --iters 2 --host-iters 1 --out-dir $work/ncu_bench" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in $(seq "${AB_ROUNDS:-2}"); do

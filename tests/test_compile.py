@@ -141,3 +141,20 @@ def test_core_choice_follows_the_table():
                     for h in _configs.HEADS_PER_CTA:
                         index, threads = _configs.partial_instance(dtype, head_dim, h, core)
                         assert threads in (64, 128) and index >= 0
+
+
+def test_roofline_kernels_compile_for_sm90_without_spills():
+    """scripts/roofline.py's int4 and bulk-copy (cp.async.bulk + mbarrier)
+    read kernels compile for sm_90 with NVRTC and use no local memory."""
+    import re
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import roofline
+
+    log = roofline.compile_report()
+    for name in ("read_int4", "read_bulk"):
+        assert f"Compiling entry function '{name}' for 'sm_90'" in log
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert len(frames) == 2 and all(f == ("0", "0", "0") for f in frames), log
