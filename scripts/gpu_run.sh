@@ -43,7 +43,7 @@ steps:
               (feature_cost.py)
   roofline    HBM read roofline: 8 GB read with int4 loads and with
               cp.async.bulk into an mbarrier ring (roofline.py)
-  ncu_compare Nsight Compute of v2 and FlashInfer on 128 x 16384 (carry .peer;
+  ncu_compare Nsight Compute of v2 and FlashInfer on 128 x 16384 (needs FlashInfer;
               not run yet: the kernel-name filter may need adjusting)
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
