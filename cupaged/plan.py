@@ -733,30 +733,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if num_sms is not None:
         num_sms = positive_int(num_sms, "num_sms")
 
-    try:
-        batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
-    except AttributeError:
-        raise ArgumentTypeError(
-            f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
-            f"got {type(table).__name__}") from None
-    if window_left is not None:
-        if not hasattr(table, "windowed"):
-            raise ArgumentTypeError(f"window_left needs a cupaged.PageTable, got {type(table).__name__}")
-        table = table.windowed(window_left)
-        pages = table.request_pages
-    batch = int(batch)
-    if batch < 1:
-        raise InvalidArgumentError(
-            "table has batch size 0: there is nothing to plan (a plan's grid "
-            "must be launchable)")
-    page_size = int(page_size)
-    pages = np.asarray(pages)
-    if pages.dtype != np.int32:  # a PageTable's are int32 (the plan's own dtype); else as int64
-        pages = pages.astype(np.int64)
-    if pages.shape != (batch,):
-        raise InvalidArgumentError(
-            f"table.request_pages must have shape ({batch},), got {pages.shape}")
-
+    batch, page_size, pages = _plan_table(table, window_left)
     group = hq // hkv
     hpc = _heads_per_cta(group)
     q_groups = group // hpc
@@ -793,6 +770,35 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         "kv_dtype": kv_dt,
         "deterministic": bool(deterministic),
     })
+
+
+def _plan_table(table: Any, window_left: Any) -> tuple[int, int, np.ndarray]:
+    """plan_decode's ``(batch, page_size, request pages)`` of ``table`` (of
+    ``table.windowed(window_left)`` with a window), checked: a PageTable or
+    any object with ``batch_size``, ``page_size`` and ``request_pages``
+    (pages int32 as a PageTable's, else int64)."""
+    try:
+        batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
+    except AttributeError:
+        raise ArgumentTypeError(
+            f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
+            f"got {type(table).__name__}") from None
+    if window_left is not None:
+        if not hasattr(table, "windowed"):
+            raise ArgumentTypeError(f"window_left needs a cupaged.PageTable, got {type(table).__name__}")
+        pages = table.windowed(window_left).request_pages
+    batch = int(batch)
+    if batch < 1:
+        raise InvalidArgumentError(
+            "table has batch size 0: there is nothing to plan (a plan's grid "
+            "must be launchable)")
+    pages = np.asarray(pages)
+    if pages.dtype != np.int32:  # a PageTable's are int32 (the plan's own dtype); else as int64
+        pages = pages.astype(np.int64)
+    if pages.shape != (batch,):
+        raise InvalidArgumentError(
+            f"table.request_pages must have shape ({batch},), got {pages.shape}")
+    return batch, int(page_size), pages
 
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
