@@ -200,6 +200,10 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   // The L2::128B prefetch hint for 16-bit rows of whole lines: +2 % at
   // 128 x 32k fp16 on the H200; for fp8 it cost 12 % at 8 x 32k and 32 x 4k.
   constexpr bool L2_HINT = sizeof(KV) == 2 && HEAD_DIM * 2 % 128 == 0;
+  // evict_first on the 16-bit K/V stream: 2-8 % faster below ~600 MB, neutral
+  // above; for fp8 neutral to 5 % slower (H200, docs/architecture.md).
+  constexpr bool EVICT_FIRST = sizeof(KV) == 2;
+  const unsigned long long policy = EVICT_FIRST ? evict_first_policy() : 0ull;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
@@ -207,41 +211,69 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   for_each_page_window<MMA_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
                                     [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + CTA_TILE - 1) / CTA_TILE;
+    // Every 16-token tile lies in one page when pages hold whole tiles and
+    // the range starts on a tile boundary (a page-16 table's chunks without
+    // a first_page_offset): one page-id read and one address per tile, each
+    // pass a fixed step from it, instead of a (page, slot) walk per pass.
+    const bool page_tiles = 32 % CPR == 0 && page_size % MMA_TILE == 0 && s0 % MMA_TILE == 0;
 
     auto issue = [&](int it) {
       if (it < n_iter) {
         const int stage = it % STAGES;
         const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
-        // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).
-        // One division per tile; later rows advance the (page, slot) pair
-        // (at most one page step unless page_size is tiny).
-        int row = lane / CPR;
-        int p = (base + row) / page_size;
-        int slot = base + row - p * page_size;
-#pragma unroll
-        for (int pass = 0; pass < PASSES; ++pass) {
-          const int c = lane + 32 * pass;
-          // (32 % CPR == 0: every lane's rows advance 32 / CPR per pass)
-          const int r = 32 % CPR == 0 ? lane / CPR + pass * (32 / CPR) : c / CPR;
-          const int col = (32 % CPR == 0 ? lane % CPR : c % CPR) * ELEMS_PER_CHUNK;
-          if (pass > 0) {
-            slot += 32 % CPR == 0 ? 32 / CPR : r - row;
-            row = r;
-            while (slot >= page_size) {
-              slot -= page_size;
-              ++p;
-            }
-          }
-          const bool valid = base + r < s1;
+        if (page_tiles) {
+          constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
+          const int col = (lane % CPR) * ELEMS_PER_CHUNK;
           const KV* kp = k_cache;
           const KV* vp = v_cache;
-          if (valid) {
+          if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)
+            const int p = base / page_size;
             const long long page = sm.page_ids[p - win];
+            const int slot = base - p * page_size + lane / CPR;
             kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
             vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
           }
-          cp_async_16<L2_HINT>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)], kp, valid);
-          cp_async_16<L2_HINT>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)], vp, valid);
+#pragma unroll
+          for (int pass = 0; pass < PASSES; ++pass) {
+            const int r = lane / CPR + pass * ROWS_PER_PASS;
+            const bool valid = base + r < s1;
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)],
+                                              valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)],
+                                              valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
+          }
+        } else {
+          // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).
+          // One division per tile; later rows advance the (page, slot) pair
+          // (at most one page step unless page_size is tiny).
+          int row = lane / CPR;
+          int p = (base + row) / page_size;
+          int slot = base + row - p * page_size;
+#pragma unroll
+          for (int pass = 0; pass < PASSES; ++pass) {
+            const int c = lane + 32 * pass;
+            // (32 % CPR == 0: every lane's rows advance 32 / CPR per pass)
+            const int r = 32 % CPR == 0 ? lane / CPR + pass * (32 / CPR) : c / CPR;
+            const int col = (32 % CPR == 0 ? lane % CPR : c % CPR) * ELEMS_PER_CHUNK;
+            if (pass > 0) {
+              slot += 32 % CPR == 0 ? 32 / CPR : r - row;
+              row = r;
+              while (slot >= page_size) {
+                slot -= page_size;
+                ++p;
+              }
+            }
+            const bool valid = base + r < s1;
+            const KV* kp = k_cache;
+            const KV* vp = v_cache;
+            if (valid) {
+              const long long page = sm.page_ids[p - win];
+              kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
+              vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
+            }
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)], kp, valid, policy);
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)], vp, valid, policy);
+          }
         }
       }
       cp_async_commit();

@@ -107,15 +107,30 @@ __device__ __forceinline__ uint4 load_vec(const T* p) {
 // 16-byte global->shared copy that bypasses registers and L1 (cp.async.cg);
 // when !valid it reads nothing and zero-fills the destination. L2_128B adds
 // the L2::128B prefetch hint (L2 fills the whole 128-byte line on the first
-// miss; where it pays is measured: see the tensor-core token loop).
-template <bool L2_128B = false>
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+// miss); POLICY adds an L2 cache-eviction policy from createpolicy (see
+// evict_first_policy). Where each pays is measured: see the tensor-core token loop.
+template <bool L2_128B = false, bool POLICY = false>
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid,
+                                            unsigned long long policy = 0) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  if constexpr (L2_128B)
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem),
-                 "r"(valid ? 16 : 0));
+  const int n = valid ? 16 : 0;
+  if constexpr (L2_128B && POLICY)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
+                 "l"(gmem), "r"(n), "l"(policy));
+  else if constexpr (POLICY)
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(gmem),
+                 "r"(n), "l"(policy));
+  else if constexpr (L2_128B)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
   else
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+}
+// An L2 policy that marks the lines it loads for eviction first: the K/V
+// stream is read once, so it should not push out what is read again.
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

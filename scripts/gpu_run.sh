@@ -43,8 +43,8 @@ steps:
               (feature_cost.py)
   roofline    HBM read roofline: 8 GB read with int4 loads and with
               cp.async.bulk into an mbarrier ring (roofline.py)
-  ncu_compare Nsight Compute of v2 and FlashInfer on 128 x 16384 (needs FlashInfer;
-              not run yet: the kernel-name filter may need adjusting)
+  ncu_compare Nsight Compute of v2 and of FlashInfer's kernels on 128 x 16384
+              (FlashInfer's profile needs FlashInfer)
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
@@ -100,8 +100,11 @@ for s in $steps; do case $s in
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
   features2) run feature_cost 120 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
-  ncu_compare)  # v2's partial kernel and FlashInfer's kernels on 128 x 16384 (carry .peer)
-    run ncu_compare 400 "$peer ncu --clock-control none -k regex:'paged_decode_partial|BatchDecode|BatchPrefill' --launch-skip 6 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats python3 scripts/microbench.py --batch 128 --ctx 16384 --methods v2 flashinfer --reps 1 --iters 2 --host-iters 1 --out-dir $work/ncu_bench" ;;
+  ncu_compare)  # v2's partial kernel and FlashInfer's kernels on 128 x 16384 (carry .peer), one profile each
+    ncu_args="--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,gpu__time_duration.sum"
+    bench="python3 scripts/microbench.py --batch 128 --ctx 16384 --reps 1 --iters 2 --host-iters 1"
+    run ncu_v2 200 "ncu $ncu_args -k regex:paged_decode_partial --launch-count 2 $bench --methods v2 --out-dir $work/ncu_v2"
+    run ncu_fi 300 "$peer ncu $ncu_args -k regex:'BatchDecode|BatchPrefill' --launch-count 4 $bench --methods flashinfer --out-dir $work/ncu_fi" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in $(seq "${AB_ROUNDS:-2}"); do
