@@ -3,8 +3,10 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
+#        ncu_sectors variants
 # (default: tests sanitize bench)
-# (carry .peer for bench/issue5/ragged_bench, .nbpeer for notebook and .ab for ab;
+# (carry .peer for bench/issue5/ragged_bench/ncu_compare, .nbpeer for notebook, .ab for ab and the
+#  variant trees named in AB_TREES;
 #  keep one call under 10 minutes)
 set -uo pipefail
 usage() {
@@ -43,8 +45,13 @@ steps:
               (feature_cost.py)
   roofline    HBM read roofline: 8 GB read with int4 loads and with
               cp.async.bulk into an mbarrier ring (roofline.py)
-  ncu_compare Nsight Compute of v2 and of FlashInfer's kernels on 128 x 16384
-              (FlashInfer's profile needs FlashInfer)
+  ncu_compare Nsight Compute of v2 and of FlashInfer's tensor-core and CUDA-core
+              decode kernels on 128 x 16384 (FlashInfer's profiles need FlashInfer)
+  ncu_sectors L2 requests and sectors of v2's partial kernel on 128 x 16384, for each
+              kernel source tree in env AB_TREES (default: this tree's cuda_src)
+  variants    scripts/ab_sources.py for each kernel source tree in env AB_TREES
+              (cuda_src folders), AB_ROUNDS interleaved rounds (default 2), KV dtype
+              env AB_KV (fp16 or fp8), cells env AB_CELLS
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
@@ -60,6 +67,8 @@ steps=${*:-tests sanitize bench}
 work=$(mktemp -d)
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 peer=""; [ -f .peer/activate.sh ] && peer="source .peer/activate.sh;"
+ncu_l2="dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,l1tex__m_xbar2l1tex_read_sectors.sum,smsp__inst_executed.sum,gpu__time_duration.sum"
+ncu_bench="python3 scripts/microbench.py --batch 128 --ctx 16384 --reps 1 --iters 2 --host-iters 1"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" bash -c "$*" > "$work/$name.log" 2>&1; echo "=== $name exit $?"; tail -n 12 "$work/$name.log"; }
 for s in $steps; do case $s in
   tests) run pytest 330 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests" ;;
@@ -100,11 +109,20 @@ for s in $steps; do case $s in
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
   features2) run feature_cost 120 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
-  ncu_compare)  # v2's partial kernel and FlashInfer's kernels on 128 x 16384 (carry .peer), one profile each
-    ncu_args="--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_op_read_hit_rate.pct,gpu__time_duration.sum"
-    bench="python3 scripts/microbench.py --batch 128 --ctx 16384 --reps 1 --iters 2 --host-iters 1"
-    run ncu_v2 200 "ncu $ncu_args -k regex:paged_decode_partial --launch-count 2 $bench --methods v2 --out-dir $work/ncu_v2"
-    run ncu_fi 300 "$peer ncu $ncu_args -k regex:'BatchDecode|BatchPrefill' --launch-count 4 $bench --methods flashinfer --out-dir $work/ncu_fi" ;;
+  ncu_compare)  # v2's partial kernel and FlashInfer's two decode kernels on 128 x 16384 (carry .peer), one profile each
+    ncu_args="--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --metrics $ncu_l2"
+    run ncu_v2 200 "ncu $ncu_args -k regex:paged_decode_partial --launch-count 1 $ncu_bench --methods v2 --out-dir $work/ncu_v2"
+    run ncu_fi 300 "$peer ncu $ncu_args -k regex:Prefill --launch-count 1 $ncu_bench --methods flashinfer --out-dir $work/ncu_fi_tc; $peer ncu $ncu_args -k regex:BatchDecode --launch-count 1 $ncu_bench --methods flashinfer --out-dir $work/ncu_fi_cc" ;;
+  ncu_sectors)  # the L2 request shape of v2's partial kernel (the metrics of ncu_compare) for each tree in AB_TREES
+    for tree in ${AB_TREES:-cuda_src}; do
+      run "ncu_sectors_$(basename "$tree")" 90 "CUPAGED_CUDA_SRC=$(realpath "$tree") ncu --clock-control none --metrics $ncu_l2 -k regex:paged_decode_partial --launch-count 1 $ncu_bench --methods v2 --out-dir $work/ncu_s"
+    done ;;
+  variants)  # kernel source trees A/B: scripts/ab_sources.py per tree of AB_TREES, interleaved, AB_ROUNDS rounds
+    for r in $(seq "${AB_ROUNDS:-2}"); do for tree in ${AB_TREES:-cuda_src}; do
+      run "variants_$(basename "$tree")_$r" 150 "CUPAGED_CUDA_SRC=$(realpath "$tree") python3 scripts/ab_sources.py ${AB_KV:-fp16}"
+      sed "s|^|$(basename "$tree") r$r |" "$work/variants_$(basename "$tree")_$r.log" >> "$work/variants.log"
+    done; done
+    sort -k3,3 -k4,4 -k1,1 "$work/variants.log" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in $(seq "${AB_ROUNDS:-2}"); do
