@@ -219,6 +219,28 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
         raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
     if kv_layout != "NHD" and kv_layout != "HND":
         raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    _check_append_ranks(k_new, v_new, k_cache, v_cache, kv_layout)
+    dtype, instance = _append_instance(k_new, v_new, k_cache, v_cache)
+    tokens, num_kv_heads, head_dim = k_new.shape
+    num_pages = _check_append_geometry(k_new.shape, k_cache.shape, kv_layout, table.page_size)
+    elems = _check_append_layout(k_new, v_new, k_cache, v_cache, head_dim)
+    k_scale = 1.0 if k_scale is None else _check_scale(k_scale, "k_scale", num_kv_heads)
+    v_scale = 1.0 if v_scale is None else _check_scale(v_scale, "v_scale", num_kv_heads)
+    append_indptr = _check_tokens_per_request(table, append_indptr, tokens)
+    _check_distinct_slots(table, append_indptr)
+    table.check_page_ids(num_pages)
+    chunks = head_dim // elems
+    grid = -(-tokens * num_kv_heads * chunks // _THREADS)
+    if grid > _GRID_X_MAX:
+        raise UnsupportedConfigError(
+            f"{tokens} tokens x {num_kv_heads} heads need {grid} CTAs, beyond the grid limit {_GRID_X_MAX}; "
+            "split the call"
+        )
+    return _Launch(dtype, instance, tokens, chunks, k_scale, v_scale, append_indptr)
+
+
+def _check_append_ranks(k_new, v_new, k_cache, v_cache, kv_layout: str) -> None:
+    """k_new/v_new 3-D and the caches 4-D, each pair of one shape."""
     new_shape, cache_shape = k_new.shape, k_cache.shape
     if len(new_shape) != 3 or v_new.ndim != 3:
         raise ShapeError(
@@ -239,7 +261,10 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
             f"k_cache and v_cache must have one shape, got {tuple(cache_shape)} and {tuple(v_cache.shape)}"
         )
 
-    # dtypes
+
+def _append_instance(k_new, v_new, k_cache, v_cache) -> tuple[str, int]:
+    """The new tokens' dtype name and the kernel instance: 0 stores them as
+    they are, 1 converts them to fp8 (uint8 caches)."""
     new_dtype, cache_dtype = k_new.dtype, k_cache.dtype
     if new_dtype != v_new.dtype:
         raise DTypeError(f"k_new and v_new must share one dtype, got {new_dtype} and {v_new.dtype}")
@@ -252,15 +277,17 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
     if cache_dtype != v_cache.dtype:
         raise DTypeError(f"k_cache and v_cache must share one dtype, got {cache_dtype} and {v_cache.dtype}")
     if cache_dtype == new_dtype:
-        instance = 0
-    elif cache_dtype == _E4M3_BITS:
-        instance = 1
-    else:
-        raise DTypeError(
-            f"the caches' dtype must be k_new's ({new_dtype}) or uint8 (float8 e4m3fn bits), got {cache_dtype}"
-        )
+        return dtype, 0
+    if cache_dtype == _E4M3_BITS:
+        return dtype, 1
+    raise DTypeError(
+        f"the caches' dtype must be k_new's ({new_dtype}) or uint8 (float8 e4m3fn bits), got {cache_dtype}"
+    )
 
-    # shapes
+
+def _check_append_geometry(new_shape, cache_shape, kv_layout: str, table_page_size: int) -> int:
+    """Heads, head_dim and page size agree between k_new, the caches and
+    the table, and the token count fits an int; returns the caches' pages."""
     tokens, num_kv_heads, head_dim = new_shape
     if kv_layout == "NHD":
         num_pages, page_size, cache_heads, cache_dim = cache_shape
@@ -273,20 +300,25 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
             f"k_new's (num_kv_heads, head_dim) = {(num_kv_heads, head_dim)} must equal the caches' "
             f"{(cache_heads, cache_dim)} (k_cache.shape = {tuple(cache_shape)}, {kv_layout})"
         )
-    if page_size != table.page_size:
+    if page_size != table_page_size:
         raise ShapeError(
             f"the caches' page_size (k_cache.shape[{1 if kv_layout == 'NHD' else 2}] = {page_size}, {kv_layout}) "
-            f"must equal table.page_size ({table.page_size})"
+            f"must equal table.page_size ({table_page_size})"
         )
     if tokens > _INT32_MAX:
         raise UnsupportedConfigError(f"at most {_INT32_MAX} new tokens per call, got {tokens}")
+    return num_pages
 
-    # layout: head_dim contiguous, 16-byte vectors
+
+def _check_append_layout(k_new, v_new, k_cache, v_cache, head_dim: int) -> int:
+    """head_dim contiguous and whole 16-byte vectors, 16-byte aligned
+    pointers and strides, K and V not one memory; returns the elements per
+    16-byte vector."""
     isz, csz = k_new.itemsize, k_cache.itemsize
     elems = 16 // min(isz, csz)
     if head_dim % elems:
         raise UnsupportedConfigError(
-            f"head_dim {head_dim} is not a whole number of 16-byte vectors for {new_dtype} -> {cache_dtype}: "
+            f"head_dim {head_dim} is not a whole number of 16-byte vectors for {k_new.dtype} -> {k_cache.dtype}: "
             f"it must be a multiple of {elems}"
         )
     ks, vs, kcs, vcs = k_new.strides, v_new.strides, k_cache.strides, v_cache.strides
@@ -299,36 +331,27 @@ def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layou
         _raise_layout((*news, (k_cache, kc_ptr), (v_cache, vc_ptr)))
     if kc_ptr == vc_ptr and kcs == vcs and k_cache.size:
         raise LayoutError("k_cache and v_cache are the same memory: V would overwrite K")
+    return elems
 
-    k_scale = 1.0 if k_scale is None else _check_scale(k_scale, "k_scale", num_kv_heads)
-    v_scale = 1.0 if v_scale is None else _check_scale(v_scale, "v_scale", num_kv_heads)
 
-    # new tokens per request
+def _check_tokens_per_request(table: PageTable, append_indptr, tokens: int):
+    """One new token per request (append_indptr None) with a visible slot
+    each, or append_indptr's rules; returns the checked append_indptr."""
     batch = table.batch_size
-    if append_indptr is None:
-        if tokens != batch:
-            raise ShapeError(
-                f"with one token per request (append_indptr None), k_new.shape[0] = {tokens} must equal "
-                f"table.batch_size ({batch}); pass append_indptr for several tokens per request"
-            )
-        if batch and _min_seq_len(table) < 1:
-            i = int(np.argmin(table.seq_lens))
-            raise InvalidArgumentError(
-                f"request {i}: has no visible slot for its new token (seq_len 0 in the table); grow it first "
-                "(pool.append(seq, 1), then pool.page_table)"
-            )
-    else:
-        append_indptr = _check_append_indptr(append_indptr, batch, tokens, table.seq_lens)
-    _check_distinct_slots(table, append_indptr)
-    table.check_page_ids(num_pages)
-    chunks = head_dim // elems
-    grid = -(-tokens * num_kv_heads * chunks // _THREADS)
-    if grid > _GRID_X_MAX:
-        raise UnsupportedConfigError(
-            f"{tokens} tokens x {num_kv_heads} heads need {grid} CTAs, beyond the grid limit {_GRID_X_MAX}; "
-            "split the call"
+    if append_indptr is not None:
+        return _check_append_indptr(append_indptr, batch, tokens, table.seq_lens)
+    if tokens != batch:
+        raise ShapeError(
+            f"with one token per request (append_indptr None), k_new.shape[0] = {tokens} must equal "
+            f"table.batch_size ({batch}); pass append_indptr for several tokens per request"
         )
-    return _Launch(dtype, instance, tokens, chunks, k_scale, v_scale, append_indptr)
+    if batch and _min_seq_len(table) < 1:
+        i = int(np.argmin(table.seq_lens))
+        raise InvalidArgumentError(
+            f"request {i}: has no visible slot for its new token (seq_len 0 in the table); grow it first "
+            "(pool.append(seq, 1), then pool.page_table)"
+        )
+    return None
 
 
 def _raise_layout(arrays) -> None:

@@ -404,88 +404,9 @@ class PageTable:
         """
         indices, indptr = self.indices, self.indptr
         last, off, P = self.last_page_len, self.first_page_offset, self.page_size
-        for name, a in (
-            ("indices", indices),
-            ("indptr", indptr),
-            ("last_page_len", last),
-            ("first_page_offset", off),
-        ):
-            if a.ndim != 1 or a.dtype != np.int32:
-                raise PageTableError(f"{name} must be a 1-D int32 array")
-        if indptr.shape[0] < 1:
-            raise PageTableError("indptr must have B+1 >= 1 entries, got 0")
-        if indptr[0] != 0:
-            raise PageTableError(f"indptr[0] must be 0, got {int(indptr[0])}")
-        B = indptr.shape[0] - 1
-        pages = np.diff(indptr.astype(np.int64))
-        i = _first(pages < 0)
-        if i >= 0:
-            raise PageTableError(
-                f"request {i}: indptr must be non-decreasing, but "
-                f"indptr[{i}]={int(indptr[i])} > indptr[{i + 1}]={int(indptr[i + 1])}"
-            )
-        if int(indptr[-1]) != indices.shape[0]:
-            raise PageTableError(
-                f"indptr[-1] must equal len(indices): indptr[-1]={int(indptr[-1])}, "
-                f"len(indices)={indices.shape[0]}"
-            )
-        for name, a in (("last_page_len", last), ("first_page_offset", off)):
-            if a.shape[0] != B:
-                raise PageTableError(
-                    f"{name} must have B={B} entries (len(indptr)-1), got {a.shape[0]}"
-                )
-
-        has = pages > 0
-        # (mask, message builder) per rule, in the order a request is judged.
-        rules: list[tuple[np.ndarray, Callable[[int], str]]] = [
-            (
-                has & ((last < 1) | (last > P)),
-                lambda i: f"last_page_len must be in [1, page_size={P}] for a "
-                f"request with pages, got {int(last[i])}",
-            ),
-            (
-                has & ((off < 0) | (off >= P)),
-                lambda i: f"first_page_offset must be in [0, page_size={P}), "
-                f"got {int(off[i])}",
-            ),
-            (
-                # The kernels count a request's slots in a C int; pages is
-                # int64 and at most 2**31, so the product cannot wrap.
-                has & ((pages - 1) * P + last > _INT32_MAX),
-                lambda i: f"(pages-1)*page_size + last_page_len = "
-                f"{(int(pages[i]) - 1) * P + int(last[i])} slots exceed 2**31-1 "
-                "(the kernels count slots in an int)",
-            ),
-            (
-                (pages == 1) & (off >= last),
-                lambda i: "a one-page request needs first_page_offset < "
-                f"last_page_len, got first_page_offset={int(off[i])}, "
-                f"last_page_len={int(last[i])}",
-            ),
-            (
-                ~has & (off != 0),
-                lambda i: "a zero-page request needs first_page_offset == 0, "
-                f"got {int(off[i])}",
-            ),
-            (
-                ~has & ((last < 0) | (last > P)),
-                lambda i: f"a zero-page request needs last_page_len in "
-                f"[0, page_size={P}], got {int(last[i])}",
-            ),
-        ]
-        neg = indices < 0
-        if neg.any():
-            # Attribute each bad index to the request whose slice holds it.
-            owner = np.searchsorted(indptr, np.flatnonzero(neg), side="right") - 1
-            bad_req = np.zeros(B, dtype=bool)
-            bad_req[owner] = True
-            def neg_msg(i: int) -> str:
-                k = int(indptr[i]) + _first(indices[indptr[i] : indptr[i + 1]] < 0)
-                return f"page ids must be >= 0, got indices[{k}]={int(indices[k])}"
-
-            rules.append((bad_req, neg_msg))
+        pages = _check_csr_structure(indices, indptr, last, off)
         worst = None
-        for mask, msg in rules:
+        for mask, msg in _request_rules(indices, indptr, last, off, P, pages):
             i = _first(mask)
             if i >= 0 and (worst is None or i < worst[0]):
                 worst = (i, msg)
@@ -792,6 +713,100 @@ def build_page_table(
     return _build_page_table(states, page_size, resolve, check_ints=True)
 
 
+
+def _check_csr_structure(indices: np.ndarray, indptr: np.ndarray, last: np.ndarray,
+                         off: np.ndarray) -> np.ndarray:
+    """The structural rules of :meth:`PageTable.validate` (dtypes, shapes,
+    ``indptr``); returns the pages per request (int64)."""
+    for name, a in (
+        ("indices", indices),
+        ("indptr", indptr),
+        ("last_page_len", last),
+        ("first_page_offset", off),
+    ):
+        if a.ndim != 1 or a.dtype != np.int32:
+            raise PageTableError(f"{name} must be a 1-D int32 array")
+    if indptr.shape[0] < 1:
+        raise PageTableError("indptr must have B+1 >= 1 entries, got 0")
+    if indptr[0] != 0:
+        raise PageTableError(f"indptr[0] must be 0, got {int(indptr[0])}")
+    B = indptr.shape[0] - 1
+    pages = np.diff(indptr.astype(np.int64))
+    i = _first(pages < 0)
+    if i >= 0:
+        raise PageTableError(
+            f"request {i}: indptr must be non-decreasing, but "
+            f"indptr[{i}]={int(indptr[i])} > indptr[{i + 1}]={int(indptr[i + 1])}"
+        )
+    if int(indptr[-1]) != indices.shape[0]:
+        raise PageTableError(
+            f"indptr[-1] must equal len(indices): indptr[-1]={int(indptr[-1])}, "
+            f"len(indices)={indices.shape[0]}"
+        )
+    for name, a in (("last_page_len", last), ("first_page_offset", off)):
+        if a.shape[0] != B:
+            raise PageTableError(
+                f"{name} must have B={B} entries (len(indptr)-1), got {a.shape[0]}"
+            )
+    return pages
+
+
+def _request_rules(indices: np.ndarray, indptr: np.ndarray, last: np.ndarray, off: np.ndarray, P: int,
+                   pages: np.ndarray) -> list[tuple[np.ndarray, Callable[[int], str]]]:
+    """The per-request rules of :meth:`PageTable.validate`: (mask of the
+    requests that break it, message builder), in the order a request is judged."""
+    has = pages > 0
+    rules: list[tuple[np.ndarray, Callable[[int], str]]] = [
+        (
+            has & ((last < 1) | (last > P)),
+            lambda i: f"last_page_len must be in [1, page_size={P}] for a "
+            f"request with pages, got {int(last[i])}",
+        ),
+        (
+            has & ((off < 0) | (off >= P)),
+            lambda i: f"first_page_offset must be in [0, page_size={P}), "
+            f"got {int(off[i])}",
+        ),
+        (
+            # The kernels count a request's slots in a C int; pages is
+            # int64 and at most 2**31, so the product cannot wrap.
+            has & ((pages - 1) * P + last > _INT32_MAX),
+            lambda i: f"(pages-1)*page_size + last_page_len = "
+            f"{(int(pages[i]) - 1) * P + int(last[i])} slots exceed 2**31-1 "
+            "(the kernels count slots in an int)",
+        ),
+        (
+            (pages == 1) & (off >= last),
+            lambda i: "a one-page request needs first_page_offset < "
+            f"last_page_len, got first_page_offset={int(off[i])}, "
+            f"last_page_len={int(last[i])}",
+        ),
+        (
+            ~has & (off != 0),
+            lambda i: "a zero-page request needs first_page_offset == 0, "
+            f"got {int(off[i])}",
+        ),
+        (
+            ~has & ((last < 0) | (last > P)),
+            lambda i: f"a zero-page request needs last_page_len in "
+            f"[0, page_size={P}], got {int(last[i])}",
+        ),
+    ]
+    neg = indices < 0
+    if neg.any():
+        # Attribute each bad index to the request whose slice holds it.
+        owner = np.searchsorted(indptr, np.flatnonzero(neg), side="right") - 1
+        bad_req = np.zeros(pages.shape[0], dtype=bool)
+        bad_req[owner] = True
+
+        def neg_msg(i: int) -> str:
+            k = int(indptr[i]) + _first(indices[indptr[i] : indptr[i + 1]] < 0)
+            return f"page ids must be >= 0, got indices[{k}]={int(indices[k])}"
+
+        rules.append((bad_req, neg_msg))
+    return rules
+
+
 def _build_page_table(
     states: Sequence[Any], page_size: int, resolve: Any, *, check_ints: bool
 ) -> tuple[PageTable, np.ndarray]:
@@ -805,28 +820,7 @@ def _build_page_table(
     off = np.zeros(B, dtype=np.int32)
     rope = np.zeros(B, dtype=np.int64)
     for i, st in enumerate(states):
-        try:
-            start = operator.index(st.logical_start)
-            length = operator.index(st.length)
-        except TypeError:
-            raise PageTableError(
-                f"request {i}: logical_start and length must be ints"
-            ) from None
-        if start < 0:
-            raise PageTableError(f"request {i}: logical_start must be >= 0, got {start}")
-        if length > _INT64_MAX:
-            raise PageTableError(f"request {i}: length {length} does not fit int64 rope offsets")
-        if length < start:
-            raise PageTableError(
-                f"request {i}: length must be >= logical_start (visible length "
-                f"would be negative), got length={length}, logical_start={start}"
-            )
-        n = 0 if length == start else -(-length // P) - start // P
-        if len(st.pages) != n:
-            raise PageTableError(
-                f"request {i}: has {len(st.pages)} pages but logical_start={start}, "
-                f"length={length}, page_size={P} need {n}"
-            )
+        start, length, n = _state_extent(i, st, P)
         indptr[i + 1] = indptr[i] + n
         if n:
             off[i] = start % P
@@ -835,6 +829,52 @@ def _build_page_table(
     total = int(indptr[-1])
     if total > _INT32_MAX:
         raise PageTableError(f"total pages {total} do not fit in int32 indptr")
+    ids = _page_ids(states, resolve, indptr, total, check_ints)
+    # Range-check before the int32 cast, which would wrap silently.
+    k = _first((ids < 0) | (ids > _INT32_MAX)) if total else -1
+    if k >= 0:
+        i = int(np.searchsorted(indptr, k, side="right")) - 1
+        raise PageTableError(
+            f"request {i}: page ids must be in [0, {_INT32_MAX}], got {int(ids[k])}"
+        )
+    table = PageTable._from_owned(
+        ids.astype(np.int32), indptr.astype(np.int32), last, off, P
+    )
+    return table, rope
+
+
+def _state_extent(i: int, st: Any, P: int) -> tuple[int, int, int]:
+    """Request ``i``'s ``(logical_start, length, pages)``, checked against
+    its page list."""
+    try:
+        start = operator.index(st.logical_start)
+        length = operator.index(st.length)
+    except TypeError:
+        raise PageTableError(
+            f"request {i}: logical_start and length must be ints"
+        ) from None
+    if start < 0:
+        raise PageTableError(f"request {i}: logical_start must be >= 0, got {start}")
+    if length > _INT64_MAX:
+        raise PageTableError(f"request {i}: length {length} does not fit int64 rope offsets")
+    if length < start:
+        raise PageTableError(
+            f"request {i}: length must be >= logical_start (visible length "
+            f"would be negative), got length={length}, logical_start={start}"
+        )
+    n = 0 if length == start else -(-length // P) - start // P
+    if len(st.pages) != n:
+        raise PageTableError(
+            f"request {i}: has {len(st.pages)} pages but logical_start={start}, "
+            f"length={length}, page_size={P} need {n}"
+        )
+    return start, length, n
+
+
+def _page_ids(states: Sequence[Any], resolve: Any, indptr: np.ndarray, total: int,
+              check_ints: bool) -> np.ndarray:
+    """The states' block ids in order, through ``resolve`` (None, a callable
+    or a map array), as int64 (not yet range-checked)."""
     blocks = itertools.chain.from_iterable(st.pages for st in states)
     if check_ints:
         blocks = map(operator.index, blocks)
@@ -860,17 +900,7 @@ def _build_page_table(
                 f"of {table_map.shape[0]} entries"
             )
         ids = np.asarray(table_map[bids], dtype=np.int64)
-    # Range-check before the int32 cast, which would wrap silently.
-    k = _first((ids < 0) | (ids > _INT32_MAX)) if total else -1
-    if k >= 0:
-        i = int(np.searchsorted(indptr, k, side="right")) - 1
-        raise PageTableError(
-            f"request {i}: page ids must be in [0, {_INT32_MAX}], got {int(ids[k])}"
-        )
-    table = PageTable._from_owned(
-        ids.astype(np.int32), indptr.astype(np.int32), last, off, P
-    )
-    return table, rope
+    return ids
 
 
 def _bad_id_error(states: Sequence[Any], resolve: Any, err: Exception) -> PageTableError:
