@@ -569,61 +569,15 @@ class PageTable:
         [9, 2]
         """
         P = _check_page_size(page_size)
-        lens = _as_int64("seq_lens", seq_lens)
-        B = lens.shape[0]
-        if first_page_offset is None:
-            off = np.zeros(B, dtype=np.int64)
-        else:
-            off = _as_int64("first_page_offset", first_page_offset)
-            if off.shape[0] != B:
-                raise PageTableError(
-                    f"first_page_offset must have B={B} entries (len(seq_lens)), "
-                    f"got {off.shape[0]}"
-                )
-        for mask, rule in (
-            (lens < 0, lambda i: f"seq_len must be >= 0, got {int(lens[i])}"),
-            (
-                (off < 0) | (off >= P),
-                lambda i: f"first_page_offset must be in [0, page_size={P}), "
-                f"got {int(off[i])}",
-            ),
-            (
-                (lens == 0) & (off != 0),
-                lambda i: "a zero-length request needs first_page_offset == 0, "
-                f"got {int(off[i])}",
-            ),
-            (
-                # checked before any int64 arithmetic on it can wrap
-                lens > _INT32_MAX * P,
-                lambda i: f"seq_len {int(lens[i])} needs more pages than int32 "
-                f"indptr can hold at page_size={P}",
-            ),
-        ):
-            i = _first(mask)
-            if i >= 0:
-                raise PageTableError(f"request {i}: {rule(i)}")
+        lens, off = _checked_lengths(seq_lens, first_page_offset, P)
         pages = np.where(lens > 0, -(-(off + lens) // P), 0)
         last = np.where(pages > 0, off + lens - (pages - 1) * P, 0)
-        indptr = np.zeros(B + 1, dtype=np.int64)
+        indptr = np.zeros(lens.shape[0] + 1, dtype=np.int64)
         np.cumsum(pages, out=indptr[1:])
         total = int(indptr[-1])
         if total > _INT32_MAX:
             raise PageTableError(f"total pages {total} do not fit in int32 indptr")
-        if page_ids is None:
-            ids = np.arange(total, dtype=np.int32)
-        else:
-            src = _as_int_array("page_ids", page_ids)
-            if src.shape[0] < total:
-                raise PageTableError(
-                    f"page_ids has {src.shape[0]} ids, the requests need {total}"
-                )
-            src = src[:total]
-            lo, hi = _minmax(src) if total else (0, 0)
-            if lo < 0 or hi > _INT32_MAX:
-                raise PageTableError(
-                    f"page_ids must be in [0, {_INT32_MAX}], got range [{lo}, {hi}]"
-                )
-            ids = np.array(src, dtype=np.int32)
+        ids = np.arange(total, dtype=np.int32) if page_ids is None else _first_page_ids(page_ids, total)
         return cls._from_owned(
             ids,
             indptr.astype(np.int32),
@@ -712,6 +666,62 @@ def build_page_table(
     """
     return _build_page_table(states, page_size, resolve, check_ints=True)
 
+
+
+def _checked_lengths(seq_lens: IndexArray, first_page_offset: IndexArray | None,
+                     P: int) -> tuple[np.ndarray, np.ndarray]:
+    """:meth:`PageTable.from_seq_lens`' lengths and offsets as int64, each
+    request's checked (the lowest-numbered offender named)."""
+    lens = _as_int64("seq_lens", seq_lens)
+    B = lens.shape[0]
+    if first_page_offset is None:
+        off = np.zeros(B, dtype=np.int64)
+    else:
+        off = _as_int64("first_page_offset", first_page_offset)
+        if off.shape[0] != B:
+            raise PageTableError(
+                f"first_page_offset must have B={B} entries (len(seq_lens)), "
+                f"got {off.shape[0]}"
+            )
+    for mask, rule in (
+        (lens < 0, lambda i: f"seq_len must be >= 0, got {int(lens[i])}"),
+        (
+            (off < 0) | (off >= P),
+            lambda i: f"first_page_offset must be in [0, page_size={P}), "
+            f"got {int(off[i])}",
+        ),
+        (
+            (lens == 0) & (off != 0),
+            lambda i: "a zero-length request needs first_page_offset == 0, "
+            f"got {int(off[i])}",
+        ),
+        (
+            # checked before any int64 arithmetic on it can wrap
+            lens > _INT32_MAX * P,
+            lambda i: f"seq_len {int(lens[i])} needs more pages than int32 "
+            f"indptr can hold at page_size={P}",
+        ),
+    ):
+        i = _first(mask)
+        if i >= 0:
+            raise PageTableError(f"request {i}: {rule(i)}")
+    return lens, off
+
+
+def _first_page_ids(page_ids: IndexArray, total: int) -> np.ndarray:
+    """The first ``total`` of ``page_ids`` as int32, each in ``[0, 2**31 - 1]``."""
+    src = _as_int_array("page_ids", page_ids)
+    if src.shape[0] < total:
+        raise PageTableError(
+            f"page_ids has {src.shape[0]} ids, the requests need {total}"
+        )
+    src = src[:total]
+    lo, hi = _minmax(src) if total else (0, 0)
+    if lo < 0 or hi > _INT32_MAX:
+        raise PageTableError(
+            f"page_ids must be in [0, {_INT32_MAX}], got range [{lo}, {hi}]"
+        )
+    return np.array(src, dtype=np.int32)
 
 
 def _check_csr_structure(indices: np.ndarray, indptr: np.ndarray, last: np.ndarray,
