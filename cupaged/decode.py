@@ -11,6 +11,7 @@ the same launch). Every output element is written by exactly one CTA, so
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ from ._checks import (ScoreArgs, call_scores, check_core, check_inputs, check_ls
                       kernel_decline_reason, nhd_views, raise_not_current)
 from ._device import require_gpu
 from ._log import log_fallback
-from .errors import ArgumentTypeError, UnsupportedConfigError
-from .page_table import PageTable
+from .errors import UnsupportedConfigError
+from .page_table import PageTable, kernel_table
 from .plan import DecodePlan, plan_decode
 
 METHODS = ("auto", "v2", "v1", "gather")
@@ -154,8 +155,9 @@ def _select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = "
 def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, *, method: str = "auto",
            sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale=None, v_scale=None,
            kv_layout: str = "NHD", out=None, return_lse: bool = False, lse=None, sinks=None, window_left=None,
-           validate: bool = False):
-    """Paged-attention decode: one query token per request against its paged KV.
+           qo_indptr=None, validate: bool = False):
+    """Paged-attention decode: one query token per request (or several, with
+    ``qo_indptr``) against its paged KV.
 
     Args:
         q: ``[batch, num_qo_heads, head_dim]`` CuPy array (or a CUDA array
@@ -224,6 +226,18 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             the window are never read. Runs on ``table.windowed(W)`` (cached
             on the table), so a held ``plan`` must be made for the same
             window (``plan_decode(..., window_left=W)``).
+        qo_indptr: several query tokens per request (speculative decoding,
+            draft verification): None (one each), or an int ``[batch + 1]``
+            NumPy or CuPy array or sequence from 0 with ``q_len_i =
+            qo_indptr[i+1] - qo_indptr[i]`` in ``[1, 16]``. ``q``, ``out``
+            and ``lse`` then have ``qo_indptr[-1]`` rows; request ``i``'s new
+            tokens are its last ``q_len_i`` visible slots (already appended),
+            and its token ``j`` sees visible slots ``0 .. seq_len_i - q_len_i
+            + j``. Runs on ``table.query_rows(qo_indptr)`` (cached on the
+            table; with ``window_left`` each token has its own window), so a
+            held ``plan`` must be made with the same ``qo_indptr``. Each query
+            row reads its KV on its own for now (the tokens of one request
+            share it through L2).
         validate: a debugging aid, off by default. The default checks are
             O(1) host comparisons (no device sync); they trust the device
             copy of the table (``table.device()``). ``validate=True`` also
@@ -284,8 +298,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             hot = state.hot
             if hot is not None:
                 res = hot.launch(state, q, k_cache, v_cache, table, method,
-                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left), out,
-                                 return_lse, lse)
+                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
+                                 out, return_lse, lse)
                 if res is not None:
                     return res
     if method not in METHODS or method == "auto":  # argument errors before the GPU check
@@ -295,10 +309,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
     raw_k, raw_v, raw_table = k_cache, v_cache, table  # as passed: what the hot path's record compares
-    if window_left is not None:
-        if not isinstance(table, PageTable):
-            raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
-        table = table.windowed(window_left)
+    if window_left is not None or qo_indptr is not None:
+        table = kernel_table(table, qo_indptr, window_left)
     if kv_layout != "NHD":
         k_cache, v_cache = nhd_views(k_cache, v_cache, kv_layout)
     dtype = check_inputs(q, k_cache, v_cache, table)
@@ -366,7 +378,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
                         and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray)
             state.hot = _HotCall(q, raw_k, raw_v, raw_table, method, (
-                sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left), out) if eligible else None
+                sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
+                out) if eligible else None
     return (out, lse) if return_lse else out
 
 
@@ -456,6 +469,15 @@ def _same_arg(a, b) -> bool:
     return a is b or (type(a) in (float, int) and type(a) is type(b) and a == b)
 
 
+def args_match(args: tuple, rec: tuple) -> bool:
+    """Whether every argument is the recorded one (:func:`_same_arg`). Never
+    ``==`` on the tuples: an array's ``==`` is elementwise (a GPU kernel for
+    CuPy) and its truth value raises, or, for one element, would let a new
+    array of equal values through while the launch still reads the recorded
+    one's pointer."""
+    return not any(map(operator.is_not, args, rec)) or all(map(_same_arg, args, rec))
+
+
 class _HotCall:
     """What one fully checked v2 call looked like, so that the next call of the
     same kind (a serving loop: per layer a new q, out and layer cache of the
@@ -490,8 +512,8 @@ class _HotCall:
         if table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd \
                 or type(v) is not nd:
             return None
-        rec = self.args  # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left)
-        if args != rec and not all(map(_same_arg, args, rec)):
+        rec = self.args  # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr)
+        if not args_match(args, rec):
             return None
         if self.env is not _NO_ENV and _env_method_raw() != self.env:
             return None

@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import numpy as np
 
 from ._typing import IndexArray
-from .errors import InvalidArgumentError, NoGPUError, PageTableError, ShapeError
+from .errors import ArgumentTypeError, InvalidArgumentError, NoGPUError, PageTableError, ShapeError
 
 __all__ = ["PageTable", "DeviceTable", "build_page_table", "MAX_PAGE_SIZE"]
 
@@ -486,6 +486,56 @@ class PageTable:
                 self._windows = {}
             return self._windows.setdefault(key, table)
 
+    def query_rows(self, qo_indptr: Any) -> "PageTable":
+        """The table of several query tokens per request (speculative
+        decoding): one row per query token, so that each row is one decode
+        query against the slots it may see.
+
+        ``qo_indptr``: None (one token each: returns ``self``) or an int
+        ``[B+1]`` array from 0, non-decreasing, with ``q_len_i =
+        qo_indptr[i+1] - qo_indptr[i]`` in ``[1, 16]`` and ``q_len_i <=
+        seq_len_i``. Request ``i``'s new tokens are its last ``q_len_i``
+        visible slots; row ``qo_indptr[i] + j`` holds its first
+        ``seq_len_i - q_len_i + j + 1`` visible slots (its token ``j`` sees
+        the slots before it and itself: causal among the new tokens), on the
+        same pages from the same ``first_page_offset``. The result is cached
+        on the table.
+
+        >>> t = PageTable.from_seq_lens([37, 5], page_size=16)
+        >>> r = t.query_rows([0, 3, 4])          # 3 query tokens for request 0, 1 for request 1
+        >>> r.seq_lens.tolist(), r.request_pages.tolist()
+        ([35, 36, 37, 5], [3, 3, 3, 1])
+        >>> t.query_rows([0, 1, 2]) is t, r is t.query_rows(np.array([0, 3, 4]))
+        (True, True)
+        """
+        ptr = qo_indptr_array(qo_indptr, self.batch_size, self._seq_lens)
+        if ptr is None:
+            return self
+        key = b"q" + ptr.tobytes()  # (window keys are whole int64 words: no clash)
+        cache = self._windows
+        hit = None if cache is None else cache.get(key)
+        if hit is not None:
+            return hit
+        q_len = np.diff(ptr)
+        if (q_len == 1).all():
+            return self  # (not cached: a table holding itself would wait for the cycle collector)
+        P = self.page_size
+        req = np.repeat(np.arange(self.batch_size), q_len)
+        j = np.arange(int(ptr[-1])) - ptr[:-1][req]
+        off = self.first_page_offset.astype(np.int64)[req]
+        seen = off + self._seq_lens.astype(np.int64)[req] - q_len[req] + j + 1  # from entry 0 of the first page
+        pages = -(-seen // P)
+        indptr = np.zeros(req.shape[0] + 1, dtype=np.int64)
+        np.cumsum(pages, out=indptr[1:])
+        # row r's pages are the first pages[r] of its request's
+        take = np.arange(int(indptr[-1])) + np.repeat(self.indptr[:-1].astype(np.int64)[req] - indptr[:-1], pages)
+        table = PageTable._from_owned(self.indices[take].astype(np.int32), indptr.astype(np.int32),
+                                      (seen - (pages - 1) * P).astype(np.int32), off.astype(np.int32), P)
+        with _UPLOAD_LOCK:
+            if self._windows is None:
+                self._windows = {}
+            return self._windows.setdefault(key, table)
+
     # -- device copy -------------------------------------------------------
 
     def device(self) -> DeviceTable:
@@ -613,6 +663,49 @@ def window_array(window_left: Any, batch: int) -> np.ndarray | None:
     if (arr < -1).any():
         raise InvalidArgumentError(f"window_left must be >= 0, or -1 (no window), got {arr.tolist()}")
     return None if (arr < 0).all() else arr
+
+
+MAX_Q_LEN = 16  # query tokens per request with qo_indptr
+
+
+def qo_indptr_array(qo_indptr: Any, batch: int, seq_lens: np.ndarray) -> np.ndarray | None:
+    """``qo_indptr`` (None, or an int ``[batch + 1]`` NumPy or CuPy array or
+    sequence) as int64, checked: from 0, ``1..MAX_Q_LEN`` query tokens per
+    request, no more than the request's visible slots. None stays None."""
+    if qo_indptr is None:
+        return None
+    ptr = qo_indptr.get() if hasattr(qo_indptr, "get") else np.asarray(qo_indptr)
+    if ptr.ndim != 1 or ptr.shape[0] != batch + 1 or not np.issubdtype(ptr.dtype, np.integer):
+        raise ShapeError(f"qo_indptr must be an integer array [batch + 1 = {batch + 1}], "
+                         f"got shape {ptr.shape} dtype {ptr.dtype}")
+    ptr = ptr.astype(np.int64)
+    q_len = np.diff(ptr)
+    if ptr[0] != 0 or (q_len < 1).any() or (q_len > MAX_Q_LEN).any():
+        raise InvalidArgumentError(f"qo_indptr must start at 0 and give every request 1..{MAX_Q_LEN} query "
+                                   f"tokens, got {ptr.tolist()}")
+    short = np.flatnonzero(q_len > seq_lens)
+    if short.size:
+        i = int(short[0])
+        raise InvalidArgumentError(f"request {i} has {int(q_len[i])} query tokens but {int(seq_lens[i])} visible "
+                                   "slots: its new tokens are its last q_len slots")
+    return ptr
+
+
+def kernel_table(table: Any, qo_indptr: Any = None, window_left: Any = None) -> "PageTable":
+    """The table a decode runs on: one row per query token
+    (:meth:`PageTable.query_rows`), each row's sliding window applied
+    (:meth:`PageTable.windowed`; a per-request window holds for every token
+    of the request). ``table`` itself when both are None."""
+    if qo_indptr is None and window_left is None:
+        return table
+    if not isinstance(table, PageTable):
+        raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+    ptr = qo_indptr_array(qo_indptr, table.batch_size, table.seq_lens)
+    rows = table.query_rows(ptr)
+    if rows is not table and window_left is not None:
+        w = window_array(window_left, table.batch_size)
+        window_left = None if w is None else np.repeat(w, np.diff(ptr))
+    return rows.windowed(window_left)
 
 
 def _rebuild_page_table(cls: type, indices, indptr, last_page_len, first_page_offset, page_size) -> PageTable:

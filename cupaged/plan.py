@@ -28,6 +28,7 @@ import numpy as np
 from . import _configs, _env, _validate, schedule
 from ._validate import positive_int
 from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
+from .page_table import PageTable, kernel_table
 
 __all__ = [
     "MAX_HEADS_PER_CTA",
@@ -607,7 +608,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
                 head_dim: int, dtype: Any, *, kv_dtype: Any = None,
                 deterministic: bool = False, pages_per_chunk: int | None = None,
                 max_pages_per_chunk: int | None = None, target_ctas: int | None = None,
-                num_sms: int | None = None, window_left: Any = None) -> DecodePlan:
+                num_sms: int | None = None, window_left: Any = None, qo_indptr: Any = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
 
     One CTA per (chunk, KV head, q-head group); a chunk is at most
@@ -666,6 +667,11 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             ``[B]`` array; -1 none): plans ``table.windowed(window_left)``,
             the table ``decode(..., window_left=...)`` runs on (pages before
             the window get no CTA).
+        qo_indptr: keyword-only query tokens per request (None: one each;
+            as for :func:`cupaged.decode`): plans
+            ``table.query_rows(qo_indptr)``, one row per query token (with a
+            window, each row's own), the table ``decode(..., qo_indptr=...)``
+            runs on.
 
     Environment variables are read at call time; an empty value counts as
     unset.
@@ -733,7 +739,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if num_sms is not None:
         num_sms = positive_int(num_sms, "num_sms")
 
-    batch, page_size, pages = _plan_table(table, window_left)
+    batch, page_size, pages = _plan_table(table, window_left, qo_indptr)
     group = hq // hkv
     hpc = _heads_per_cta(group)
     q_groups = group // hpc
@@ -772,21 +778,21 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     })
 
 
-def _plan_table(table: Any, window_left: Any) -> tuple[int, int, np.ndarray]:
+def _plan_table(table: Any, window_left: Any, qo_indptr: Any) -> tuple[int, int, np.ndarray]:
     """plan_decode's ``(batch, page_size, request pages)`` of ``table`` (of
-    ``table.windowed(window_left)`` with a window), checked: a PageTable or
-    any object with ``batch_size``, ``page_size`` and ``request_pages``
-    (pages int32 as a PageTable's, else int64)."""
+    ``kernel_table(table, qo_indptr, window_left)`` with either), checked: a
+    PageTable or any object with ``batch_size``, ``page_size`` and
+    ``request_pages`` (pages int32 as a PageTable's, else int64)."""
+    if window_left is not None or qo_indptr is not None:
+        if not isinstance(table, PageTable):
+            raise ArgumentTypeError(f"window_left and qo_indptr need a cupaged.PageTable, got {type(table).__name__}")
+        table = kernel_table(table, qo_indptr, window_left)
     try:
         batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
     except AttributeError:
         raise ArgumentTypeError(
             f"table must be a cupaged.PageTable (batch_size, page_size, request_pages), "
             f"got {type(table).__name__}") from None
-    if window_left is not None:
-        if not hasattr(table, "windowed"):
-            raise ArgumentTypeError(f"window_left needs a cupaged.PageTable, got {type(table).__name__}")
-        pages = table.windowed(window_left).request_pages
     batch = int(batch)
     if batch < 1:
         raise InvalidArgumentError(

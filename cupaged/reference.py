@@ -55,7 +55,7 @@ from .errors import (
     PlanMismatchError,
     ShapeError,
 )
-from .page_table import PageTable
+from .page_table import PageTable, qo_indptr_array
 
 __all__ = [
     "LOG2E",
@@ -430,8 +430,9 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
     ``logits_soft_cap`` (``None``/``0`` off, ``c > 0``: logit ``= c *
     tanh(sm_scale * q.k / c)``; the LSE is of the capped logits).
 
-    Decode features of issue 18 (the kernels do not serve them yet; this is
-    their definition):
+    Decode features of issue 18 (this is their definition; the kernels serve
+    them through :meth:`~cupaged.PageTable.query_rows` and
+    :meth:`~cupaged.PageTable.windowed`, and fold the sinks into their last write):
 
     * ``qo_indptr`` (int ``[B+1]``, from 0, non-decreasing, ``q_len_i =
       qo_indptr[i+1] - qo_indptr[i]`` in ``[1, 16]``): several query tokens per
@@ -512,7 +513,6 @@ def decode(q: Any, k_cache: Any, v_cache: Any, table: Any,
                             kv_layout, qo_indptr, sinks, window_left)
 
 
-MAX_Q_LEN = 16  # query tokens per request with qo_indptr (issue 18)
 
 
 def _decode_features(q, k_cache, v_cache, table, sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout,
@@ -554,23 +554,8 @@ def _decode_features(q, k_cache, v_cache, table, sm_scale, logits_soft_cap, k_sc
 
 def _check_qo_indptr(qo_indptr: Any, batch: int, seq: np.ndarray) -> np.ndarray:
     """``qo_indptr`` as int64 ``[B+1]`` (one token each when None)."""
-    if qo_indptr is None:
-        return np.arange(batch + 1, dtype=np.int64)
-    ptr = _host(qo_indptr, "qo_indptr") if hasattr(qo_indptr, "get") else np.asarray(qo_indptr)
-    if ptr.ndim != 1 or ptr.shape[0] != batch + 1 or not np.issubdtype(ptr.dtype, np.integer):
-        raise ShapeError(f"qo_indptr must be an integer array [batch + 1 = {batch + 1}], "
-                         f"got shape {ptr.shape} dtype {ptr.dtype}")
-    ptr = ptr.astype(np.int64)
-    q_len = np.diff(ptr)
-    if ptr[0] != 0 or (q_len < 1).any() or (q_len > MAX_Q_LEN).any():
-        raise InvalidArgumentError(f"qo_indptr must start at 0 and give every request 1..{MAX_Q_LEN} query "
-                                   f"tokens, got {ptr.tolist()}")
-    short = np.flatnonzero(q_len > seq)
-    if short.size:
-        i = int(short[0])
-        raise InvalidArgumentError(f"request {i} has {int(q_len[i])} query tokens but {int(seq[i])} visible "
-                                   "slots: its new tokens are its last q_len slots")
-    return ptr
+    ptr = qo_indptr_array(qo_indptr, batch, seq)
+    return np.arange(batch + 1, dtype=np.int64) if ptr is None else ptr
 
 
 def _check_sinks(sinks: Any, num_qo_heads: int) -> np.ndarray | None:

@@ -36,7 +36,7 @@ from ._checks import (call_scores, check_inputs, check_lse, check_out, check_pla
 from ._arrays import as_cupy
 from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
                      UnsupportedConfigError)
-from .page_table import PageTable
+from .page_table import PageTable, kernel_table
 from .plan import DecodePlan, heads_per_cta, plan_decode
 
 __all__ = ["DecodeRunner"]
@@ -132,7 +132,7 @@ class DecodeRunner:
         self.current_table: PageTable | None = None
 
     # ------------------------------------------------------------------ plan
-    def plan(self, table: PageTable, plan: DecodePlan | None = None, *, window_left=None,
+    def plan(self, table: PageTable, plan: DecodePlan | None = None, *, window_left=None, qo_indptr=None,
              **knobs) -> DecodePlan:
         """Makes ``table`` (and its plan) the runner's current step: plans it
         with :func:`plan_decode` (``knobs`` are its keyword arguments) unless
@@ -143,7 +143,14 @@ class DecodeRunner:
         :func:`cupaged.decode`) the runner's step is ``table.windowed(window_left)``
         (a given ``plan`` must be made for that window); ``append_kv`` still
         writes each request's last slot, which the window keeps. A model that
-        mixes windowed and full layers holds one runner per window.
+        mixes windowed and full layers holds one runner per window. With
+        ``qo_indptr`` (several query tokens per request, as for
+        :func:`cupaged.decode`) the step is ``table.query_rows(qo_indptr)``:
+        one row per query token, counted against ``max_batch``. ``run`` then
+        takes ``q`` of ``qo_indptr[-1]`` rows, and :meth:`append_kv` writes
+        row ``r`` of ``k_new``/``v_new`` into query token ``r``'s slot (a row's
+        last visible slot is its token's): a step's new tokens in
+        ``qo_indptr`` order.
 
         Raises CapacityError (the table exceeds max_batch or max_pages),
         PlanMismatchError (a plan for other shapes, or stale),
@@ -151,7 +158,7 @@ class DecodeRunner:
         plan_decode's errors."""
         if not isinstance(table, PageTable):
             raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
-        table = table.windowed(window_left)
+        table = kernel_table(table, qo_indptr, window_left)
         with self._lock:
             self._check_device("plan")
             if self._is_capturing(self.stream.ptr):

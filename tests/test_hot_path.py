@@ -207,3 +207,35 @@ def test_lse_buffer_is_written_and_returned(method, monkeypatch):
                      (cp.empty((32, 4), cp.float32).T, cupaged.LayoutError)):
         with pytest.raises(err):
             cupaged.decode(q, k, v, table, plan, method=method, lse=bad)
+
+
+@pytest.mark.parametrize("num_kv_heads", [8, 1])
+def test_per_layer_scale_and_sink_arrays_with_one_plan(num_kv_heads, monkeypatch):
+    """Per layer its own k/v scale and sink arrays, one held plan (an fp8
+    gpt-oss step): each new array object takes the checked path (compared
+    by identity, never elementwise: a several-element ``==`` raised before,
+    and a one-element one of equal values let the recorded array's pointer
+    through) and gives that layer's answer."""
+    cp = _cp()
+    rng = np.random.default_rng(76)
+    dev, table, host = batch(77, [300, 41, 1700], mid_page=True)
+    q_h = make_query(rng, 3, 32, 128, F16)
+    k_h, v_h = make_caches(rng, table, host[1].shape[0], num_kv_heads, 128, F16)
+    q, k, v = cp.asarray(q_h), cp.asarray(k_h), cp.asarray(v_h)
+    plan = cupaged.plan_decode(table, 32, num_kv_heads, 128, F16)
+    counts = _count_launches(monkeypatch)
+    layers = []
+    for layer in range(3):  # equal values in layers 0 and 1: distinct arrays all the same
+        scale = np.full(num_kv_heads, 0.5 if layer < 2 else 1.5, np.float32)
+        sinks = np.full(32, 3.0 if layer < 2 else 5.0, np.float32)
+        layers.append((scale, sinks, cp.asarray(scale), cp.asarray(sinks)))
+    for _ in range(2):
+        for scale, sinks, scale_d, sinks_d in layers:
+            got = _decode(q, k, v, table, plan, k_scale=scale_d, v_scale=scale_d, sinks=sinks_d)
+            check_close(*got, *reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks),
+                        F16)
+    assert counts == {"checked": 6, "hot": 0}
+    del layers[0]  # a freed array's pointer must not be launched again
+    for scale, sinks, scale_d, sinks_d in layers * 2:
+        got = _decode(q, k, v, table, plan, k_scale=scale_d, v_scale=scale_d, sinks=sinks_d)
+        check_close(*got, *reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks), F16)

@@ -1,0 +1,215 @@
+"""Several query tokens per request (issue 18: ``qo_indptr``), served by
+``PageTable.query_rows``: one table row per query token, each row a request
+prefix that ends at its token.
+
+The CPU tests compare the float64 reference on the row table with the
+reference's own multi-token definition (bitwise: the same slots in the same
+order), alone and with windows, sinks, fp8 scales and HND, and check the plan
+and the hot path's argument test. The GPU tests (marked ``gpu``) run decode,
+plans and the runner against the reference on test_features_gpu's adversarial
+batches: shuffled pages, half the requests starting mid-page, NaN in every
+slot no request can see and in ``out``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from helpers import RAGGED_LENS, make_caches, make_query, make_table, rel_errors
+
+import cupaged
+from cupaged import reference
+from cupaged.decode import args_match
+from cupaged.page_table import kernel_table
+from test_features_gpu import BF16, F16, FP8, _cp, check, differs, make_batch, run, tolerance
+
+gpu = pytest.mark.gpu
+
+
+def _qo_indptr(rng, seq_lens, max_q=16):
+    """Random query tokens per request: 1..min(max_q, seq_len) (every seq_len >= 1)."""
+    q_len = np.array([rng.integers(1, min(max_q, int(n)) + 1) for n in seq_lens])
+    return np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+
+
+# ------------------------------------------------------------- tables (CPU)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_query_rows_is_the_reference_definition(page_size, seed):
+    rng = np.random.default_rng(seed * 10 + page_size)
+    lens = np.array([*RAGGED_LENS, 2, 40])
+    off = np.where(np.arange(len(lens)) % 2 == 1, rng.integers(0, page_size, len(lens)), 0)
+    table, num_pages = make_table(rng, lens, page_size, off)
+    ptr = _qo_indptr(rng, lens)
+    rows = table.query_rows(ptr)
+    rows.validate()
+    q_len = np.diff(ptr)
+    req = np.repeat(np.arange(len(lens)), q_len)
+    j = np.arange(int(ptr[-1])) - ptr[:-1][req]
+    np.testing.assert_array_equal(rows.seq_lens, lens[req] - q_len[req] + j + 1)
+    np.testing.assert_array_equal(rows.first_page_offset, table.first_page_offset[req])
+    for r in range(rows.batch_size):  # a row's pages are a prefix of its request's
+        mine = rows.indices[rows.indptr[r]:rows.indptr[r + 1]]
+        np.testing.assert_array_equal(mine, table.indices[table.indptr[req[r]]:table.indptr[req[r]] + len(mine)])
+    k, v = make_caches(rng, table, num_pages, 2, 64, np.float32)
+    q = make_query(rng, int(ptr[-1]), 4, 64, np.float32)
+    for a, b in zip(reference.decode(q, k, v, rows), reference.decode(q, k, v, table, qo_indptr=ptr)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 16, 40, np.array([3, -1, 0, 100, 7, 16, 2, 1, 0, 5])])
+def test_rows_with_windows_sinks_fp8_and_hnd(window):
+    """Each token has its own window (a per-request window holds for all of
+    its tokens); sinks, fp8 with per-head scales, HND and a soft cap ride along."""
+    from helpers import make_fp8_caches, to_hnd
+
+    rng = np.random.default_rng(7)
+    lens = np.array([*RAGGED_LENS, 2, 40])
+    table, num_pages = make_table(rng, lens, 16, np.where(np.arange(10) % 2 == 1, 5, 0))
+    ptr = _qo_indptr(rng, lens, max_q=8)
+    k, v, ks, vs = make_fp8_caches(rng, table, num_pages, 2, 64, "head")
+    q = make_query(rng, int(ptr[-1]), 8, 64, np.float16)
+    sinks = rng.uniform(2, 6, 8)
+    kw = dict(k_scale=ks, v_scale=vs, logits_soft_cap=15.0, sinks=sinks, kv_layout="HND")
+    got = reference.decode(q, to_hnd(k), to_hnd(v), kernel_table(table, ptr, window), **kw)
+    want = reference.decode(q, to_hnd(k), to_hnd(v), table, qo_indptr=ptr, window_left=window, **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_rows_cache_identity_errors_and_plans():
+    table = cupaged.PageTable.from_seq_lens([37, 5, 16], page_size=16, first_page_offset=[3, 0, 0])
+    ptr = np.array([0, 3, 4, 6])
+    rows = table.query_rows(ptr)
+    assert rows.seq_lens.tolist() == [35, 36, 37, 5, 15, 16]
+    assert table.query_rows([0, 3, 4, 6]) is rows and table.query_rows(None) is table
+    assert table.query_rows(np.arange(4)) is table  # one token each: the table itself
+    assert kernel_table(table) is table and kernel_table(table, [0, 1, 2, 3], -1) is table
+    for bad, err, match in (
+            ([0, 3, 4], cupaged.ShapeError, "batch \\+ 1 = 4"),
+            ([1, 3, 4, 6], cupaged.InvalidArgumentError, "start at 0"),
+            ([0, 0, 4, 6], cupaged.InvalidArgumentError, "1..16"),
+            ([0, 17, 18, 19], cupaged.InvalidArgumentError, "1..16"),
+            ([0, 1, 7, 8], cupaged.InvalidArgumentError, "request 1 has 6 query tokens but 5"),
+            (np.array([0.0, 1, 2, 3]), cupaged.ShapeError, "integer")):
+        with pytest.raises(err, match=match):
+            table.query_rows(bad)
+    with pytest.raises(cupaged.ArgumentTypeError):
+        kernel_table(object(), ptr)
+    plan = cupaged.plan_decode(table, 8, 2, 64, np.float16, qo_indptr=ptr, pages_per_chunk=1)
+    assert plan.batch_size == 6 and plan.matches(rows) and not plan.matches(table)
+    same = cupaged.plan_decode(rows, 8, 2, 64, np.float16, pages_per_chunk=1)
+    np.testing.assert_array_equal(plan.request_chunks, same.request_chunks)
+    windowed = cupaged.plan_decode(table, 8, 2, 64, np.float16, qo_indptr=ptr, window_left=4, pages_per_chunk=1)
+    assert windowed.matches(rows.windowed(4)) and windowed.request_chunks.tolist() == [1, 1, 1, 1, 1, 1]
+
+
+def test_hot_path_argument_test_compares_arrays_by_identity():
+    """decode's hot path compares its keyword arguments with the recorded
+    call's: numbers by value, arrays by identity (never elementwise: a new
+    array of equal values must not reuse the recorded one's pointer, and a
+    multi-element ``==`` has no truth value)."""
+    w, w2, one, one2 = np.array([3, 4]), np.array([3, 4]), np.array([5]), np.array([5])
+    rec = (0.5, None, w, one, "NHD")
+    assert args_match((0.5, None, w, one, "NHD"), rec)
+    assert args_match((float("0.5"), None, w, one, "NHD"), rec)  # an equal float, another object
+    assert not args_match((0.5, None, w2, one, "NHD"), rec)      # would raise with ==
+    assert not args_match((0.5, None, w, one2, "NHD"), rec)      # == would say equal
+    assert not args_match((0.5, None, np.array([1, 2, 3]), one, "NHD"), rec)  # would not broadcast
+    assert not args_match((1, None, w, one, "NHD"), (1.0, None, w, one, "NHD"))  # int vs float
+
+
+# -------------------------------------------------------------------- GPU
+
+
+def _multi(b, seed, max_q=16):
+    """``b`` with q of one row per query token (random 1..max_q per request)."""
+    cp = _cp()
+    rng = np.random.default_rng(seed)
+    ptr = _qo_indptr(rng, b.table.seq_lens, max_q)
+    q = make_query(rng, int(ptr[-1]), b.num_qo_heads, b.head_dim, b.dtype)
+    b.q, b.host = cp.asarray(q), (q, *b.host[1:])
+    return ptr
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+@pytest.mark.parametrize("kv", ["same", "fp8"])
+def test_multi_token_matches_reference(dtype, kv):
+    b = make_batch(300, [*RAGGED_LENS, 3000], dtype=dtype, kv_dtype=FP8 if kv == "fp8" else None,
+                   scale_mode="head" if kv == "fp8" else "none")
+    ptr = _multi(b, 301)
+    want = b.reference(qo_indptr=ptr)
+    assert want[0].shape[0] == int(ptr[-1])
+    for plan in (b.plan(pages_per_chunk=1, qo_indptr=ptr), b.plan(qo_indptr=ptr), None):
+        for _ in range(2):  # the repeat takes the hot path
+            check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
+    check(run("gather", b, qo_indptr=ptr), want, dtype)
+    with pytest.raises(cupaged.PlanMismatchError):  # a plan of the request table, a multi-token call
+        cupaged.decode(b.q, b.k, b.v, b.table, b.plan(), qo_indptr=ptr, **b.dev_kw)
+
+
+@gpu
+def test_sixteen_tokens_windows_sinks_hnd_soft_cap():
+    cp = _cp()
+    b = make_batch(302, [16, 17, 40, 1021, 300], dtype=F16, kv_layout="HND", page_size=32)
+    ptr = np.array([0, 16, 32, 35, 51, 52], np.int32)  # q_len 16, 16, 3, 16, 1
+    q = make_query(np.random.default_rng(303), 52, 32, 128, F16)
+    b.q, b.host = cp.asarray(q), (q, *b.host[1:])
+    sinks = np.random.default_rng(304).uniform(2, 8, 32).astype(np.float32)
+    kw = {"logits_soft_cap": 20.0, "sm_scale": 4 / math.sqrt(128)}
+    for window in (None, 0, 7, 33, np.array([5, -1, 0, 64, 2])):
+        want = b.reference(qo_indptr=ptr, sinks=sinks, window_left=window, **kw)
+        if window is not None and np.min(window) >= 0:
+            assert differs(want[0], b.reference(qo_indptr=ptr, sinks=sinks, **kw)[0], tolerance(F16))
+        plan = b.plan(qo_indptr=ptr, window_left=window, pages_per_chunk=2)
+        check(run("v2", b, plan, qo_indptr=ptr, window_left=window, sinks=cp.asarray(sinks), **kw), want, F16)
+
+
+@gpu
+def test_runner_appends_and_decodes_query_rows_in_a_graph():
+    """A draft/verify step through the runner: plan(table, qo_indptr=), then
+    append_kv writes each query token's K/V at its slot and run decodes
+    every token; a graph captured at the first step replays the later ones."""
+    cp = _cp()
+    rng = np.random.default_rng(305)
+    hq, hkv, d, P = 16, 4, 128, 16
+    table0, num_pages = make_table(rng, [300, 20, 900], P, [0, 3, 0], slack=2.0)
+    k, v = make_caches(rng, table0, num_pages, hkv, d, np.float16)
+    k, v = np.nan_to_num(k), np.nan_to_num(v)
+    k_d, v_d = cp.asarray(k), cp.asarray(v)
+    rows_max = 3 * 4
+    q = cp.zeros((rows_max, hq, d), cp.float16)
+    kn = cp.zeros((rows_max, hkv, d), cp.float16)
+    vn = cp.zeros_like(kn)
+    out = cp.zeros_like(q)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        runner = cupaged.DecodeRunner(hq, hkv, d, np.float16, page_size=P, max_batch=rows_max, max_pages=2000)
+        runner.plan(table0, qo_indptr=[0, 4, 5, 9])
+        stream.begin_capture()
+        runner.append_kv(kn, vn, k_d, v_d)
+        runner.run(q, k_d, v_d, out)
+        graph = stream.end_capture()
+        for ptr in ([0, 4, 5, 9], [0, 1, 2, 3], [0, 2, 6, 10]):
+            n = ptr[-1]
+            qh = make_query(rng, n, hq, d, np.float16)
+            knh, vnh = make_query(rng, n, hkv, d, np.float16), make_query(rng, n, hkv, d, np.float16)
+            q[:n], kn[:n], vn[:n] = cp.asarray(qh), cp.asarray(knh), cp.asarray(vnh)
+            runner.plan(table0, qo_indptr=ptr)
+            graph.launch(stream)
+            stream.synchronize()
+            rows = table0.query_rows(ptr)
+            for r in range(n):  # the host copy gets each token at its row's last slot
+                s = int(rows.seq_lens[r]) - 1 + int(rows.first_page_offset[r])
+                page = rows.indices[rows.indptr[r] + s // P]
+                k[page, s % P], v[page, s % P] = knh[r], vnh[r]
+            want = reference.decode(qh, k, v, table0, qo_indptr=ptr)
+            got = out[:n].get().astype(np.float64)
+            np.testing.assert_array_equal(k_d.get(), k)
+            np.testing.assert_array_equal(v_d.get(), v)
+            assert np.isfinite(got).all() and rel_errors(got, want[0])[0] <= tolerance(F16)
