@@ -375,8 +375,11 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             # and arguments may skip the checks above (_HotCall); any other v2
             # call with this plan rewrites the fields, so it drops or replaces
             # the record.
+            # (host arrays that shape the table, a window per request or a
+            # qo_indptr, could change in place under the same object: not recorded)
             eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
-                        and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray)
+                        and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray and qo_indptr is None
+                        and (window_left is None or type(window_left) is int))
             state.hot = _HotCall(q, raw_k, raw_v, raw_table, method, (
                 sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
                 out) if eligible else None

@@ -146,7 +146,7 @@ def test_multi_token_matches_reference(dtype, kv):
     want = b.reference(qo_indptr=ptr)
     assert want[0].shape[0] == int(ptr[-1])
     for plan in (b.plan(pages_per_chunk=1, qo_indptr=ptr), b.plan(qo_indptr=ptr), None):
-        for _ in range(2):  # the repeat takes the hot path
+        for _ in range(2):  # (a qo_indptr call is not recorded for the hot path: its array could change in place)
             check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
     check(run("gather", b, qo_indptr=ptr), want, dtype)
     with pytest.raises(cupaged.PlanMismatchError):  # a plan of the request table, a multi-token call

@@ -190,7 +190,7 @@ def test_window_per_request_with_sinks_fp8_and_lse_buffer():
     b.k, b.v = _outside_window_nan(b, window)
     s = cp.asarray(sinks)
     plan = b.plan(window_left=window, pages_per_chunk=2)
-    for _ in range(3):  # the repeats take the hot path
+    for _ in range(3):  # (a per-request window array is not recorded for the hot path: it could change in place)
         check(run("v2", b, plan, window_left=window, sinks=s), want, BF16)
     lse = cp.empty((6, 32), cp.float32)
     out = cupaged.decode(b.q, b.k, b.v, b.table, plan, window_left=window, sinks=s, lse=lse, **b.dev_kw)
