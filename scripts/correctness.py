@@ -30,13 +30,16 @@ Default: 24 configurations (head_dim {64,128} x gqa {1,4,8} x page {32} x ctx
 the axis flags override one axis each.
 
 **Serving features** (issue 6): ``FEATURE_CONFIGS`` is a curated list of about
-120 extra configurations, not a product: fp8 KV caches (uint8 e4m3 bits; q
+140 extra configurations, not a product: fp8 KV caches (uint8 e4m3 bits; q
 float16 or bfloat16; no scale, a per-tensor or a per-head scale; head_dim 64,
 96, 128, 256), head_dim 96 in every dtype, GQA groups 3, 5, 6, 7 and 16, page
 sizes 1 and 256, ``logits_soft_cap`` 30 and 50 (with an ``sm_scale`` of
 ``8 / sqrt(head_dim)`` so that the cap changes the result), the HND layout, a
 custom ``sm_scale`` and k/v scales on 16/32-bit caches; each value several
-times, at ctx <= 512 and at ctx 4096. ``--full`` runs them after the 216;
+times, at ctx <= 512 and at ctx 4096. Then issue 18's decode features: 2, 4,
+8 and 16 query tokens per request (``qo_indptr``), attention sinks and
+sliding windows (0, 7, 15, 100 and 300 slots), with the other features
+rotating through. ``--full`` runs them after the 216;
 ``--features`` runs only them. On that list the axis flags (``--head-dim`` ...
 ``--dtype``) and the feature flags (``--kv-dtype``, ``--kv-layout``,
 ``--soft-cap``, ``--scale-mode``) *filter*; on the product sweep the feature
@@ -131,6 +134,9 @@ CSV_COLUMNS = (
     "sm_scale",
     "group",
     "lengths",
+    "q_len",
+    "sinks",
+    "window",
 )
 
 
@@ -155,6 +161,9 @@ class Config:
     sm_scale: float | None = None
     group: str = "base"
     lengths: str = ""  # a ragged batch: "DISTRIBUTION:SEED" (scripts/_common.py); then ctx is unused
+    q_len: int = 1  # query tokens per request (qo_indptr), at most each request's length
+    sinks: bool = False  # attention sinks, one random logit per query head
+    window: int = -1  # window_left (-1: none)
 
     @property
     def num_qo_heads(self) -> int:
@@ -173,7 +182,8 @@ class Config:
         """Any serving feature (cache dtype, layout, cap, scales, sm_scale) not
         at its default; without one the batch is built exactly as before."""
         return (self.kv_dtype_name != self.dtype or self.kv_layout != "NHD" or bool(self.soft_cap)
-                or self.scale_mode != "none" or self.sm_scale is not None)
+                or self.scale_mode != "none" or self.sm_scale is not None or self.q_len != 1 or self.sinks
+                or self.window >= 0)
 
     def label(self) -> str:
         ctx = f"lengths={self.lengths}" if self.lengths else f"ctx{self.ctx}"
@@ -189,6 +199,12 @@ class Config:
             extra.append(f"cap{self.soft_cap:g}")
         if self.sm_scale is not None:
             extra.append(f"sm{self.sm_scale:.4g}")
+        if self.q_len != 1:
+            extra.append(f"q_len{self.q_len}")
+        if self.sinks:
+            extra.append("sinks")
+        if self.window >= 0:
+            extra.append(f"win{self.window}")
         return " ".join([text, *extra])
 
     def fields(self) -> dict:
@@ -257,6 +273,16 @@ def _feature_configs() -> tuple[Config, ...]:
             kv_layout=cyc(KV_LAYOUTS, i // 3))
     for i, mode in enumerate(("tensor", "head")):
         add("scales", 128, 4, 32, 4096, 2, cyc(("float16", "bfloat16"), i), scale_mode=mode)
+    # several query tokens per request, sinks and sliding windows (issue 18), with
+    # the other features rotating through
+    for i, (ql, dt) in enumerate(itertools.product((2, 4, 8, 16), ("float16", "bfloat16"))):
+        add("decode18", cyc((128, 64, 96), i), cyc((4, 8, 1), i), cyc((16, 1, 32), i), cyc((512, 4096), i // 2),
+            cyc((4, 2), i), dt, q_len=ql, sinks=i % 3 == 0, window=cyc((-1, -1, 7, 100), i),
+            kv_layout=cyc(KV_LAYOUTS, i // 2), kv_dtype=FP8 if i % 4 == 3 else None,
+            scale_mode="head" if i % 4 == 3 else "none")
+    for i, (w, dt) in enumerate(itertools.product((0, 15, 300), ("float16", "bfloat16", "float32"))):
+        add("decode18", 128 if dt != "float32" else 256, cyc((4, 8), i), cyc((16, 32, 1), i), cyc((4096, 512), i),
+            2, dt, window=w, sinks=i % 2 == 1, soft_cap=cyc((0, 30), i // 3))
     return tuple(out)
 
 
@@ -301,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--features",
         action="store_true",
         help=f"only the {len(FEATURE_CONFIGS)} serving-feature configurations (fp8 KV, head_dim 96/256, GQA 3/5/6/7/16, "
-        "page 1/256, soft cap, HND, sm_scale, k/v scales); the axis and feature flags filter them",
+        "page 1/256, soft cap, HND, sm_scale, k/v scales, several query tokens, sinks, windows); the axis and "
+        "feature flags filter them",
     )
     sweep.add_argument(
         "--ragged",
@@ -571,12 +598,13 @@ def make_feature_batch(layout: _common.BatchLayout, cfg: Config, dtype: np.dtype
     else:
         caches = [_common.fill_random(shape, dtype, rs) for _ in range(2)]
         scales = feature_scales(cfg, *caches, head_axis)
-    q = _common.fill_random((layout.batch_size, cfg.num_qo_heads, cfg.head_dim), dtype, rs)
+    common, qo_indptr = decode18_kwargs(cfg, table, seed)
+    rows = layout.batch_size if qo_indptr is None else int(qo_indptr[-1])
+    q = _common.fill_random((rows, cfg.num_qo_heads, cfg.head_dim), dtype, rs)
     cupy.cuda.Device().synchronize()
     batch = _common.DeviceBatch(
         layout, table, q, [tuple(caches)], cfg.num_qo_heads, cfg.num_kv_heads, cfg.head_dim, np.dtype(dtype)
     )
-    common = {}
     if cfg.sm_scale is not None:
         common["sm_scale"] = cfg.sm_scale
     if cfg.soft_cap:
@@ -584,11 +612,31 @@ def make_feature_batch(layout: _common.BatchLayout, cfg: Config, dtype: np.dtype
     if cfg.kv_layout != "NHD":
         common["kv_layout"] = cfg.kv_layout
     dec, ref = dict(common), dict(common)
+    if "sinks" in common:  # decode takes them on the device
+        dec["sinks"] = cupy.asarray(common["sinks"])
     if scales is not None:
         ref.update(k_scale=scales[0], v_scale=scales[1])
         dev = [s if isinstance(s, float) else cupy.asarray(s, dtype=cupy.float32) for s in scales]
         dec.update(k_scale=dev[0], v_scale=dev[1])
     return batch, FeatureInputs(dec, ref, scales)
+
+
+def decode18_kwargs(cfg: Config, table, seed: int) -> tuple[dict, np.ndarray | None]:
+    """The issue-18 keyword arguments of a configuration (host arrays:
+    ``qo_indptr`` of ``cfg.q_len`` tokens per request, at most its length;
+    sinks of random logits in the range of the LSEs; ``window_left``) and
+    the ``qo_indptr`` (None for one token each)."""
+    kw: dict = {}
+    qo_indptr = None
+    if cfg.q_len != 1:
+        q_len = np.minimum(cfg.q_len, np.maximum(table.seq_lens, 1))
+        qo_indptr = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+        kw["qo_indptr"] = qo_indptr
+    if cfg.sinks:
+        kw["sinks"] = np.random.default_rng(seed).uniform(2.0, 8.0, cfg.num_qo_heads).astype(np.float32)
+    if cfg.window >= 0:
+        kw["window_left"] = cfg.window
+    return kw, qo_indptr
 
 
 def run_config(index: int, cfg: Config, args: argparse.Namespace) -> list[dict]:
@@ -622,6 +670,8 @@ def run_config(index: int, cfg: Config, args: argparse.Namespace) -> list[dict]:
     else:
         batch, features = make_feature_batch(layout, cfg, dtype, seed=seed)
     plan_kw = {"kv_dtype": FP8} if cfg.is_fp8 else {}
+    plan_kw.update({k: features.reference_kwargs[k] for k in ("qo_indptr", "window_left")
+                    if k in features.reference_kwargs})
     plan = cupaged.plan_decode(
         batch.table,
         cfg.num_qo_heads,

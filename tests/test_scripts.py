@@ -1421,3 +1421,25 @@ def test_fp8_mode_on_a_fake_gpu(fake_gpu, tmp_path, capsys, monkeypatch):
     md = (tmp_path / "microbench-fp8.md").read_text()
     assert md.startswith("# cupaged paged-decode microbenchmark: fp8") and "| v2 16/8 |" in md
     assert not (tmp_path / "microbench.csv").exists()
+
+
+def test_decode18_configs_make_valid_arguments():
+    """The sweep's issue-18 configurations (several query tokens, sinks,
+    windows) give arguments the row table and the reference accept, with
+    every q_len at ctx 512 or 4096 and windows smaller than a page."""
+    from cupaged.page_table import kernel_table
+
+    cfgs = [c for c in correctness.FEATURE_CONFIGS if c.group == "decode18"]
+    assert {c.q_len for c in cfgs} == {1, 2, 4, 8, 16} and any(c.window == 0 for c in cfgs)
+    assert any(c.sinks and c.q_len > 1 and c.window >= 0 for c in cfgs)
+    for i, c in enumerate(cfgs):
+        layout = _common.plan_layout(c.batch, c.ctx, c.page_size, seed=i, mid_page=c.page_size > 1,
+                                     page_order="reverse")
+        table = _common.layout_table(layout)
+        kw, ptr = correctness.decode18_kwargs(c, table, seed=i)
+        assert (ptr is None) == (c.q_len == 1) and ("sinks" in kw) == c.sinks
+        rows = kernel_table(table, kw.get("qo_indptr"), kw.get("window_left"))
+        assert rows.batch_size == (table.batch_size if ptr is None else int(ptr[-1]))
+        if c.window >= 0:
+            assert int(rows.seq_lens.max()) <= c.window + 1
+        assert c.has_features and f"q_len{c.q_len}" in c.label() or c.q_len == 1
