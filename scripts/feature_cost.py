@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""GPU cost of attention sinks and of sliding windows (issue 18's targets:
-sinks no slower than without, within 2 %; a window W on a long request costs
-about (W + page) / ctx of the full call).
+"""GPU cost of attention sinks, sliding windows and several query tokens per
+request (issue 18's targets: sinks no slower than without, within 2 %; a
+window W on a long request costs about (W + page) / ctx of the full call;
+q_len 4 at most 1.15x the q_len 1 time on cells moving >= 256 MB).
 
 Per cell (batch x ctx; 32 q / 8 kv heads, head_dim 128, page 16, fp16,
 shuffled pages, cupaged.testing.make_paged_batch) it times cupaged.decode with
 a held default plan under CUDA-graph replay (cupaged.testing.GraphTimer, 20
 calls a graph) for: no feature, ``sinks=`` (float32 [32]), and
 ``window_left=W`` for W = ctx/8 and ctx/2 (each with its own
-``plan_decode(window_left=W)`` plan). The variants take turns over
+``plan_decode(window_left=W)`` plan) and ``qo_indptr`` with each ``--qlen``
+tokens per request (a q of batch x q_len rows, its own plan). The variants
+take turns over
 ``--rounds`` rounds; the table gives each one's median µs, the spread of
 its rounds ((max - min) / median), its ratio to the plain call and, for windows, the ratio (W + page) / ctx it should approach.
 Exit status: 0 ran, 3 no CUDA GPU.
@@ -34,6 +37,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--csv", help="also write the rows to this CSV file")
+    p.add_argument("--qlen", type=int, nargs="*", default=[2, 4, 8],
+                   help="query tokens per request to time with qo_indptr (default 2 4 8; none: skip)")
     args = p.parse_args(argv)
     _common.require_gpu()
     import cupy
@@ -51,11 +56,16 @@ def main(argv=None) -> int:
         variants = {"plain": ({}, None), "sinks": ({"sinks": sinks}, None)}
         for w in (ctx // 8, ctx // 2):
             variants[f"window {w}"] = ({"window_left": w}, w)
+        for q_len in args.qlen:
+            variants[f"q_len {q_len}"] = ({"qo_indptr": np.arange(batch + 1, dtype=np.int32) * q_len}, None)
         timers = {}
         for name, (kw, w) in variants.items():
-            plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w)
-            timers[name] = GraphTimer(lambda plan=plan, kw=kw, b=b: cupaged.decode(
-                b.q, b.k_cache, b.v_cache, b.table, plan, out=out, **kw))
+            ptr = kw.get("qo_indptr")
+            plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w, qo_indptr=ptr)
+            q = b.q if ptr is None else cupy.repeat(b.q, int(ptr[1]), axis=0)
+            o = out if ptr is None else cupy.empty_like(q)
+            timers[name] = GraphTimer(lambda plan=plan, kw=kw, b=b, q=q, o=o: cupaged.decode(
+                q, b.k_cache, b.v_cache, b.table, plan, out=o, **kw))
         times = {name: [] for name in timers}
         for _ in range(args.rounds):
             for name, timer in timers.items():

@@ -41,7 +41,8 @@ steps:
   runtime     GPU tests of the serving runtime, the kernels it changed, sinks and
               windows, and the serving loop; memcheck of the runner, hot-path and
               sinks/window tests
-  features2   GPU time of sinks and sliding windows against the plain call
+  features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
+              against the plain call
               (feature_cost.py)
   roofline    HBM read roofline: 8 GB read with int4 loads and with
               cp.async.bulk into an mbarrier ring (roofline.py)
@@ -107,7 +108,7 @@ for s in $steps; do case $s in
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
-  features2) run feature_cost 120 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
+  features2) run feature_cost 220 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
   ncu_compare)  # v2's partial kernel and FlashInfer's two decode kernels on 128 x 16384 (carry .peer), one profile each
     ncu_args="--clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats --metrics $ncu_l2"
