@@ -12,7 +12,13 @@ keep their addresses and its captured grid covers ``--max-batch``.
 Every ``--check-every`` steps the first and the last layer are compared with
 the float64 reference (cupaged.reference.decode on host copies).
 
+With ``--draft N`` each step is a draft/verify step of speculative decoding:
+every request appends N + 1 tokens (here all accepted) and the layers decode
+all of them, causal among themselves (``qo_indptr``: the runner plans one
+row per query token, and its append_kv writes each token at its slot).
+
     python3 examples/serving_loop.py --steps 200 --layers 32
+    python3 examples/serving_loop.py --steps 100 --draft 3
 
 Prints steps/s and the host µs per step (pool, table, plan). Needs a CUDA GPU.
 Exit status: 0 ran and every check passed, 1 a check failed, 2 no GPU.
@@ -40,7 +46,12 @@ def parse_args(argv=None):
     p.add_argument("--num-pages", type=int, default=12288, help="pages in the pool (and in each layer's cache)")
     p.add_argument("--check-every", type=int, default=25, help="compare with the reference every N steps (0: never)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--draft", type=int, default=0, metavar="N",
+                   help="draft tokens per request and step (0..15): each step decodes N + 1 tokens per request")
+    args = p.parse_args(argv)
+    if not 0 <= args.draft <= 15:
+        p.error(f"--draft must be in 0..15 (at most 16 query tokens per request), got {args.draft}")
+    return args
 
 
 class Server:
@@ -56,7 +67,7 @@ class Server:
         for _ in range(args.layers):  # random contents: a prompt's K/V is whatever its pages hold
             self.caches.append(tuple(cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
                                      for _ in range(2)))
-        B = args.max_batch
+        B = args.max_batch * (args.draft + 1)  # query rows: every request's tokens of a step
         self.q = cupy.zeros((args.layers, B, HQ, D), dtype=cupy.float16)
         self.k_new = cupy.zeros((args.layers, B, HKV, D), dtype=cupy.float16)
         self.v_new = cupy.zeros((args.layers, B, HKV, D), dtype=cupy.float16)
@@ -104,13 +115,13 @@ def churn(pool, rng, max_batch, caches):
             pool.append(sid, int(rng.integers(1, 2000)))
 
 
-def check(server, table, layers) -> float:
+def check(server, table, qo_indptr, layers) -> float:
     """The worst relative error of the given layers against the float64 reference."""
-    b = table.batch_size
+    b = int(qo_indptr[-1])
     worst = 0.0
     for layer in layers:
         k, v = server.caches[layer]
-        ref, _ = reference.decode(server.q[layer, :b].get(), k.get(), v.get(), table)
+        ref, _ = reference.decode(server.q[layer, :b].get(), k.get(), v.get(), table, qo_indptr=qo_indptr)
         got = server.out[layer, :b].get().astype(np.float64)
         worst = max(worst, float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30)))
     return worst
@@ -140,9 +151,11 @@ def main(argv=None) -> int:
             if step:
                 churn(pool, rng, args.max_batch, server.caches)
             ids = pool.seq_ids
-            pool.advance(ids, 1)  # this step's token of every request
+            q_len = args.draft + 1
+            pool.advance(ids, q_len)  # this step's tokens of every request
             table, _ = pool.page_table(ids)
-            server.runner.plan(table)
+            qo_indptr = np.arange(len(ids) + 1, dtype=np.int32) * q_len
+            server.runner.plan(table, qo_indptr=qo_indptr if q_len > 1 else None)
             host_us.append((time.perf_counter() - t0) * 1e6)
             batches.append(table.batch_size)
             server.new_inputs()
@@ -151,13 +164,14 @@ def main(argv=None) -> int:
             else:
                 server.graph.launch()
             if args.check_every and step % args.check_every == args.check_every - 1:
-                err = check(server, table, sorted({0, args.layers - 1}))
+                err = check(server, table, qo_indptr, sorted({0, args.layers - 1}))
                 worst = max(worst, err)
                 failed += err > 2e-2
         cupy.cuda.get_current_stream().synchronize()
         elapsed = time.perf_counter() - start if start else float("nan")
     steps = args.steps - 1
-    print(f"steps {args.steps}, layers {args.layers}, batch {min(batches)}-{max(batches)} "
+    print(f"steps {args.steps}, layers {args.layers}, tokens per request and step {args.draft + 1}, "
+          f"batch {min(batches)}-{max(batches)} "
           f"(mean {np.mean(batches):.1f}), graph captures {server.captures}")
     print(f"steps/s {steps / elapsed:.1f}; host us per step (pool + table + plan): median "
           f"{np.median(host_us):.0f}, p90 {np.percentile(host_us, 90):.0f}")

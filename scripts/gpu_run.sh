@@ -38,9 +38,9 @@ steps:
   ragged_bench  the ragged-batch family against FlashInfer (fp16, bf16, fp8)
   sweep       chunk sweep of the ragged family, fp16 (the planner check)
   sweep8      chunk sweep of the ragged family, fp8 (every second cap)
-  runtime     GPU tests of the serving runtime, the kernels it changed, sinks and
-              windows, and the serving loop; memcheck of the runner, hot-path and
-              sinks/window tests
+  runtime     GPU tests of the serving runtime, the kernels it changed, sinks,
+              windows, several query tokens per request and the serving loop;
+              memcheck of the runner, hot-path, sinks/window and multi-token tests
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
@@ -104,10 +104,10 @@ for s in $steps; do case $s in
   ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
   sweep8) run sweep_ragged8 330 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --rounds ${SWEEP_ROUNDS:-2} --csv $work/sweep_ragged8.csv" ;;
-  runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_sinks_window.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
+  runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
-           run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
+           run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
   features2) run feature_cost 220 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
   ncu_compare)  # v2's partial kernel and FlashInfer's two decode kernels on 128 x 16384 (carry .peer), one profile each

@@ -1443,3 +1443,15 @@ def test_decode18_configs_make_valid_arguments():
         if c.window >= 0:
             assert int(rows.seq_lens.max()) <= c.window + 1
         assert c.has_features and f"q_len{c.q_len}" in c.label() or c.q_len == 1
+
+
+def test_serving_loop_example_refuses_a_draft_beyond_16_tokens():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("serving_loop", ROOT / "examples" / "serving_loop.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.parse_args(["--draft", "15"]).draft == 15
+    with pytest.raises(SystemExit) as e:
+        mod.parse_args(["--draft", "16"])
+    assert e.value.code == 2

@@ -26,3 +26,17 @@ def test_serving_loop_replays_one_graph(capsys):
     assert "10 failed" not in text and ", 0 failed" in text
     low, high = text.split("batch ")[1].split(" ")[0].split("-")
     assert int(low) < int(high), "the batch size never changed"
+
+
+def test_serving_loop_draft_verify_steps(capsys):
+    """--draft 3: every step appends 4 tokens per request and decodes all of
+    them (qo_indptr) through the same single graph, checked every 10 steps."""
+    spec = importlib.util.spec_from_file_location("serving_loop", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rc = mod.main(["--steps", "60", "--layers", "2", "--num-pages", "8192", "--check-every", "10", "--draft", "3",
+                   "--max-batch", "16"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "graph captures 1" in text and "tokens per request and step 4" in text and ", 0 failed" in text
+
