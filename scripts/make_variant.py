@@ -17,7 +17,11 @@ be rerun, and a lost one recorded, without hand-editing a tree:
   (FlashInfer's shared-memory permutation; measured 2026-12-01: lost);
 * ``nopad``: rows unpadded, no permutation (measured: lost);
 * ``no_l2_hint``, ``no_evict_first``: without the L2::128B prefetch hint or
-  the evict_first policy on 16-bit rows.
+  the evict_first policy on 16-bit rows;
+* ``bulk_rows``: where pages hold whole tiles, each K and V row copied by
+  the bulk-copy engine (``cp.async.bulk``, one per row, lane r row r), each
+  warp's ring stage completed on its own mbarrier; rows past the range
+  zero-filled by stores (written 2026-12-01, not yet run on a GPU).
 
 Variants combine with ``+`` (``predicated+fi_lanes``). Each edit is an exact
 text replacement; a variant whose text no longer matches the sources stops
@@ -121,6 +125,104 @@ _PERMUTED = [
      "&vt[((lane / 8) % 2) * 8 + (lane % 8)][(db * 32 + (lane / 16) * 16) ^ ((lane & 7) << 4)]"),
 ]
 
+# bulk_rows: the page path's copies as one cp.async.bulk per K or V row (the
+# Hopper bulk-copy engine; no L1TEX request shape), each warp's stage completed
+# on its own mbarrier; the other path keeps cp.async.
+_BULK_BUDGET_OLD = "  static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;\n"
+_BULK_BUDGET_NEW = ("  static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4 - MMA_MAX_STAGES * MMA_WARPS * 8;"
+                    "  // variant bulk_rows: + mbarriers\n")
+_BULK_SCRATCH_OLD = """template <typename T, typename KV, int HEAD_DIM, int HEADS>
+struct MmaScratch {
+  using L = MmaLayout<KV, HEAD_DIM>;
+  int page_ids[PAGE_WINDOW];
+"""
+_BULK_SCRATCH_NEW = """// variant bulk_rows: one row global -> shared by the bulk-copy engine,
+// completing `bytes` of the mbarrier at shared address `bar`.
+template <bool POLICY>
+__device__ __forceinline__ void bulk_row(void* smem, const void* gmem, int bytes, unsigned bar,
+                                         unsigned long long policy) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (POLICY)
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(dst), "l"(gmem), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+  else
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(gmem), "r"(bytes), "r"(bar) : "memory");
+}
+
+template <typename T, typename KV, int HEAD_DIM, int HEADS>
+struct MmaScratch {
+  using L = MmaLayout<KV, HEAD_DIM>;
+  int page_ids[PAGE_WINDOW];
+  unsigned long long bars[MMA_MAX_STAGES][MMA_WARPS];  // variant bulk_rows: [stage][warp]
+"""
+_BULK_INIT_OLD = """  const long long v_head = (long long)kv_head * vs.head;
+
+  for_each_page_window<MMA_THREADS>("""
+_BULK_INIT_NEW = """  const long long v_head = (long long)kv_head * vs.head;
+  // variant bulk_rows: this warp's mbarrier per stage; bit s of `phases` is
+  // the parity of stage s's next completion
+  const unsigned bar0 = static_cast<unsigned>(__cvta_generic_to_shared(&sm.bars[0][warp]));
+  if (lane == 0) {
+    for (int s = 0; s < STAGES; ++s)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar0 + 8u * MMA_WARPS * s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncwarp();
+  unsigned phases = 0;
+
+  for_each_page_window<MMA_THREADS>("""
+_BULK_COPY_NEW = """          // variant bulk_rows: lane r copies row r of K and of V with the bulk
+          // engine; lane 0 tells the stage's mbarrier how many bytes to expect
+          constexpr int ROW_DATA = HEAD_DIM * (int)sizeof(KV);
+          const unsigned bar = bar0 + 8u * MMA_WARPS * stage;
+          const int rows = min(max(s1 - base, 0), MMA_TILE);
+          asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // earlier zero fills, then async writes
+          if (lane == 0) {
+            if (rows > 0)
+              asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }"
+                           :: "r"(bar), "r"(2 * rows * ROW_DATA) : "memory");
+            else
+              asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" :: "r"(bar) : "memory");
+          }
+          __syncwarp();
+          if (lane < rows) {
+            const int p = base / page_size;
+            const long long page = sm.page_ids[p - win];
+            const int slot = base - p * page_size + lane;
+            bulk_row<EVICT_FIRST>(&sm.kv[stage][warp][0][lane][0], k_cache + page * ks.page + slot * ks.token + k_head,
+                                  ROW_DATA, bar, policy);
+            bulk_row<EVICT_FIRST>(&sm.kv[stage][warp][1][lane][0], v_cache + page * vs.page + slot * vs.token + v_head,
+                                  ROW_DATA, bar, policy);
+          }
+          // rows past the range: zeros (V's must be finite: P is 0 there, and 0 x NaN is NaN)
+          for (int c = lane; c < (MMA_TILE - rows) * CPR; c += 32) {
+            const int r = rows + c / CPR, col = (c % CPR) * 16;
+            *reinterpret_cast<uint4*>(&sm.kv[stage][warp][0][r][col]) = make_uint4(0u, 0u, 0u, 0u);
+            *reinterpret_cast<uint4*>(&sm.kv[stage][warp][1][r][col]) = make_uint4(0u, 0u, 0u, 0u);
+          }
+"""
+_BULK_WAIT_OLD = """      issue(it + STAGES - 1);  // refills the stage every lane finished reading last iteration
+      cp_async_wait<STAGES - 1>();
+      __syncwarp();  // other lanes' copies of this stage are visible
+      const int stage = it % STAGES;
+"""
+_BULK_WAIT_NEW = """      issue(it + STAGES - 1);  // refills the stage every lane finished reading last iteration
+      const int stage = it % STAGES;
+      if (page_tiles) {  // variant bulk_rows: the stage's mbarrier
+        const unsigned bar = bar0 + 8u * MMA_WARPS * stage, parity = (phases >> stage) & 1u;
+        unsigned done = 0;
+        while (!done)
+          asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                       : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+        phases ^= 1u << stage;
+      } else {
+        cp_async_wait<STAGES - 1>();
+      }
+      __syncwarp();  // other lanes' copies of this stage are visible
+"""
+
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -130,6 +232,11 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "permuted": [("attend_mma.cuh", _PAD_OLD, _PERMUTED_ROWS_NEW), *_PERMUTED],
     "no_l2_hint": [("attend_mma.cuh", "constexpr bool L2_HINT = sizeof(KV) == 2 && HEAD_DIM * 2 % 128 == 0;",
                     "constexpr bool L2_HINT = false;  // variant no_l2_hint")],
+    "bulk_rows": [("attend_mma.cuh", _BULK_BUDGET_OLD, _BULK_BUDGET_NEW),
+                  ("attend_mma.cuh", _BULK_SCRATCH_OLD, _BULK_SCRATCH_NEW),
+                  ("attend_mma.cuh", _BULK_INIT_OLD, _BULK_INIT_NEW),
+                  ("attend_mma.cuh", _PAGE_PATH_OLD, _BULK_COPY_NEW),
+                  ("attend_mma.cuh", _BULK_WAIT_OLD, _BULK_WAIT_NEW)],
     "no_evict_first": [("attend_mma.cuh", "constexpr bool EVICT_FIRST = sizeof(KV) == 2;",
                         "constexpr bool EVICT_FIRST = false;  // variant no_evict_first")],
 }
