@@ -527,6 +527,8 @@ class PageTable:
         pages = -(-seen // P)
         indptr = np.zeros(req.shape[0] + 1, dtype=np.int64)
         np.cumsum(pages, out=indptr[1:])
+        if indptr[-1] > _INT32_MAX:
+            raise PageTableError(f"the query rows hold {int(indptr[-1])} pages in all, beyond int32 indptr")
         # row r's pages are the first pages[r] of its request's
         take = np.arange(int(indptr[-1])) + np.repeat(self.indptr[:-1].astype(np.int64)[req] - indptr[:-1], pages)
         table = PageTable._from_owned(self.indices[take].astype(np.int32), indptr.astype(np.int32),
