@@ -75,7 +75,8 @@ def auto_method(table: PageTable) -> Selection:
 
 
 def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None, method: str = "auto", *,
-                  kv_layout: str = "NHD", per_head_scales: bool = False, sinks: bool = False) -> Selection:
+                  kv_layout: str = "NHD", per_head_scales: bool = False, sinks: bool = False, window_left=None,
+                  qo_indptr=None) -> Selection:
     """The path :func:`decode` takes for these arguments, and why.
 
     Launches nothing. Runs ``decode``'s input checks, but not its GPU check,
@@ -93,6 +94,8 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
         per_head_scales: True when the call passes per-head (array)
             ``k_scale``/``v_scale`` (v1 takes per-tensor scales only).
         sinks: True when the call passes ``sinks`` (v1 takes none).
+        window_left, qo_indptr: as for ``decode`` (the checks then see its
+            table: ``q`` has a row per query token).
 
     Returns:
         A :class:`Selection`. The kernels decline a head_dim other than 64,
@@ -122,6 +125,7 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
     """
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
     k_cache, v_cache = nhd_views(k_cache, v_cache, kv_layout)
+    table = kernel_table(table, qo_indptr, window_left)
     variant = check_inputs(q, k_cache, v_cache, table)
     return _select(q, k_cache, v_cache, table, method, variant, per_head_scales, sinks)
 

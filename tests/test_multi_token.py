@@ -149,6 +149,10 @@ def test_multi_token_matches_reference(dtype, kv):
         for _ in range(2):  # (a qo_indptr call is not recorded for the hot path: its array could change in place)
             check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
     check(run("gather", b, qo_indptr=ptr), want, dtype)
+    sel = cupaged.select_method(b.q, b.k, b.v, b.table, qo_indptr=ptr, kv_layout="NHD")
+    assert sel.method == "v2", sel
+    with pytest.raises(cupaged.ShapeError):  # q's rows are the query tokens, not the requests
+        cupaged.select_method(b.q, b.k, b.v, b.table)
     with pytest.raises(cupaged.PlanMismatchError):  # a plan of the request table, a multi-token call
         cupaged.decode(b.q, b.k, b.v, b.table, b.plan(), qo_indptr=ptr, **b.dev_kw)
 
