@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import statistics
 import sys
@@ -290,7 +291,9 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None
     """Host µs per held-plan decode call on every supported path (issue 17):
     fp16, bf16, fp8 with per-tensor and per-head scales, soft cap, HND,
     return_lse (allocating the LSE, and into a given ``lse``), sinks and a
-    sliding window (issue 18), and ``DecodeRunner.run`` (checked every call;
+    sliding window (issue 18), fp8 per-head scales with a new array per layer
+    (a model's layers; today the checked path), 4 query tokens per request
+    (``qo_indptr``; the checked path), and ``DecodeRunner.run`` (checked every call;
     no graph), first on the legacy default stream, then on a non-blocking one. The paths take
     turns, ``rounds`` rounds of ``calls / rounds`` calls each, so that a slow
     stretch of the host (seen: one path 40 % slower in its own block) falls
@@ -314,6 +317,13 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None
         "return_lse into lse=": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True, lse=lse_buf)),
         "sinks": (f16.q, f16.k_cache, f16.v_cache, None, dict(sinks=cupy.full(32, 3.0, dtype=cupy.float32))),
         "window_left": (f16.q, f16.k_cache, f16.v_cache, None, dict(window_left=args.ctx // 2)),
+        # what a model does: each layer its own scale arrays, one plan for the step
+        "fp8 per-head scales, a new array per layer (4 layers)": (
+            f16.q, k8, v8, "float8_e4m3fn", {"layer_scales": [cupy.full(8, 0.5 + i / 8, dtype=cupy.float32)
+                                                              for i in range(4)]}),
+        "qo_indptr, 4 query tokens per request": (
+            cupy.repeat(f16.q, 4, axis=0), f16.k_cache, f16.v_cache, None,
+            dict(qo_indptr=np.arange(args.batch + 1, dtype=np.int32) * 4)),
     }
     for where, stream in (("legacy default stream", None),
                           ("non-blocking stream", cupy.cuda.Stream(non_blocking=True))):
@@ -329,8 +339,13 @@ def _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases) -> None:
     calls = {}
     for name, (q, k, v, kv_dtype, kw) in cases.items():
         plan = cupaged.plan_decode(f16.table, 32, 8, 128, q.dtype, kv_dtype=kv_dtype,
-                                   window_left=kw.get("window_left"))
+                                   window_left=kw.get("window_left"), qo_indptr=kw.get("qo_indptr"))
         out = cupy.empty_like(q)
+        if "layer_scales" in kw:  # the next layer's arrays on every call
+            nxt = itertools.cycle(kw["layer_scales"]).__next__
+            calls[f"decode call, {name}"] = (lambda q=q, k=k, v=v, plan=plan, out=out, nxt=nxt: cupaged.decode(
+                q, k, v, f16.table, plan, out=out, **dict.fromkeys(("k_scale", "v_scale"), nxt())))
+            continue
         calls[f"decode call, {name}"] = (lambda q=q, k=k, v=v, plan=plan, out=out, kw=kw:
                                          cupaged.decode(q, k, v, f16.table, plan, out=out, **kw))
     runner = cupaged.DecodeRunner(32, 8, 128, np.float16, page_size=16, max_batch=args.batch,
