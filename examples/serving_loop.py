@@ -73,7 +73,7 @@ class Server:
         self.v_new = cupy.zeros((args.layers, B, HKV, D), dtype=cupy.float16)
         self.out = cupy.zeros((args.layers, B, HQ, D), dtype=cupy.float16)
         self.runner = cupaged.DecodeRunner(HQ, HKV, D, np.float16, page_size=P, max_batch=B,
-                                           max_pages=args.num_pages)
+                                           max_pages=args.num_pages * (args.draft + 1))  # (a row per query token)
         self.graph = None
         self.captures = 0
 
