@@ -262,7 +262,7 @@ class PageTable:
         "_seq_lens",
         "_max_page_id",
         "_device",
-        "_windows",
+        "_derived",  # the tables windowed() and query_rows() made from this one, by key
         "__weakref__",  # gather index and plan caches key on the table
     )
 
@@ -339,7 +339,7 @@ class PageTable:
         self.indices, self.indptr = indices, indptr
         self.last_page_len, self.first_page_offset = last_page_len, first_page_offset
         self.page_size = page_size
-        self._device = self._windows = None
+        self._device = self._derived = None
         self._request_pages, self._seq_lens, self._max_page_id = request_pages, seq_lens, max_page_id
         return self
 
@@ -350,7 +350,7 @@ class PageTable:
         self.first_page_offset = off
         self.page_size = page_size
         self._device = None
-        self._windows = None
+        self._derived = None
         self.validate()
         pages = np.diff(indptr).astype(np.int32)
         # Zero-page requests get 0, not (−1)*P + last − 0.
@@ -460,17 +460,14 @@ class PageTable:
         (True, True)
         """
         w = window_array(window_left, self.batch_size)
-        if w is None:
-            return self
-        key = w.tobytes()
-        cache = self._windows
-        hit = None if cache is None else cache.get(key)
-        if hit is not None:
-            return hit
+        return self if w is None else self._derive(w.tobytes(), self._windowed, w)
+
+    def _windowed(self, w: np.ndarray) -> "PageTable":
+        """:meth:`windowed` of a checked window array (not cached here)."""
         seq = self._seq_lens
         skip = np.where(w < 0, 0, np.maximum(seq - 1 - w, 0))  # visible slots before the window
         if not skip.any():
-            return self  # (not cached: a table holding itself would wait for the cycle collector)
+            return self
         P = self.page_size
         first = self.first_page_offset.astype(np.int64) + skip  # from entry 0 of the first page
         drop = first // P
@@ -479,12 +476,8 @@ class PageTable:
         local = np.arange(self.indices.shape[0]) - self.indptr[:-1].astype(np.int64)[req]
         indptr = np.zeros(self.batch_size + 1, dtype=np.int32)
         np.cumsum(pages, out=indptr[1:])
-        table = PageTable._from_owned(self.indices[local >= drop[req]].astype(np.int32), indptr,
-                                      self.last_page_len.copy(), (first % P).astype(np.int32), P)
-        with _UPLOAD_LOCK:
-            if self._windows is None:
-                self._windows = {}
-            return self._windows.setdefault(key, table)
+        return PageTable._from_owned(self.indices[local >= drop[req]].astype(np.int32), indptr,
+                                     self.last_page_len.copy(), (first % P).astype(np.int32), P)
 
     def query_rows(self, qo_indptr: Any) -> "PageTable":
         """The table of several query tokens per request (speculative
@@ -508,17 +501,17 @@ class PageTable:
         >>> t.query_rows([0, 1, 2]) is t, r is t.query_rows(np.array([0, 3, 4]))
         (True, True)
         """
-        ptr = qo_indptr_array(qo_indptr, self.batch_size, self._seq_lens)
-        if ptr is None:
-            return self
-        key = b"q" + ptr.tobytes()  # (window keys are whole int64 words: no clash)
-        cache = self._windows
-        hit = None if cache is None else cache.get(key)
-        if hit is not None:
-            return hit
+        return self._rows_of(qo_indptr_array(qo_indptr, self.batch_size, self._seq_lens))
+
+    def _rows_of(self, ptr: np.ndarray | None) -> "PageTable":
+        """:meth:`query_rows` of an already checked ``qo_indptr`` (None: self)."""
+        return self if ptr is None else self._derive(b"q" + ptr.tobytes(), self._query_rows, ptr)
+
+    def _query_rows(self, ptr: np.ndarray) -> "PageTable":
+        """:meth:`query_rows` of a checked int64 ``qo_indptr`` (not cached here)."""
         q_len = np.diff(ptr)
         if (q_len == 1).all():
-            return self  # (not cached: a table holding itself would wait for the cycle collector)
+            return self
         P = self.page_size
         req = np.repeat(np.arange(self.batch_size), q_len)
         j = np.arange(int(ptr[-1])) - ptr[:-1][req]
@@ -531,12 +524,25 @@ class PageTable:
             raise PageTableError(f"the query rows hold {int(indptr[-1])} pages in all, beyond int32 indptr")
         # row r's pages are the first pages[r] of its request's
         take = np.arange(int(indptr[-1])) + np.repeat(self.indptr[:-1].astype(np.int64)[req] - indptr[:-1], pages)
-        table = PageTable._from_owned(self.indices[take].astype(np.int32), indptr.astype(np.int32),
-                                      (seen - (pages - 1) * P).astype(np.int32), off.astype(np.int32), P)
+        return PageTable._from_owned(self.indices[take].astype(np.int32), indptr.astype(np.int32),
+                                     (seen - (pages - 1) * P).astype(np.int32), off.astype(np.int32), P)
+
+    def _derive(self, key: bytes, build: Callable[[np.ndarray], "PageTable"], arg: np.ndarray) -> "PageTable":
+        """The table ``build(arg)`` makes from this one, cached under ``key``
+        (window keys are whole int64 words, query-row keys start with b"q":
+        they cannot clash). ``build`` may return ``self``, which is not cached
+        (a table holding itself would wait for the cycle collector)."""
+        cache = self._derived
+        hit = None if cache is None else cache.get(key)
+        if hit is not None:
+            return hit
+        table = build(arg)
+        if table is self:
+            return self
         with _UPLOAD_LOCK:
-            if self._windows is None:
-                self._windows = {}
-            return self._windows.setdefault(key, table)
+            if self._derived is None:
+                self._derived = {}
+            return self._derived.setdefault(key, table)
 
     # -- device copy -------------------------------------------------------
 
@@ -703,7 +709,7 @@ def kernel_table(table: Any, qo_indptr: Any = None, window_left: Any = None) -> 
     if not isinstance(table, PageTable):
         raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
     ptr = qo_indptr_array(qo_indptr, table.batch_size, table.seq_lens)
-    rows = table.query_rows(ptr)
+    rows = table._rows_of(ptr)  # (ptr is checked: not again)
     if rows is not table and window_left is not None:
         w = window_array(window_left, table.batch_size)
         window_left = None if w is None else np.repeat(w, np.diff(ptr))
