@@ -387,6 +387,33 @@ struct EmitStrided {
   }
 };
 
+// Several query tokens of one request in one CTA (row groups: a plan of a
+// PageTable.query_rows table). The CTA's query rows are r = tt * HEADS + h
+// for r < rows: token tt's head h, its query at q + tt * stride_q_row + h *
+// stride_q_head; token tt sees the slots below lim0 + tt (causal among the
+// new tokens). The CUDA-core core serves one token at a time (rows == HEADS).
+struct RowGroup {
+  long long stride_q_row;
+  int rows, lim0;
+};
+
+// Emits the rows of a row group (RowGroup): row r = tt * HEADS + h is
+// EmitStrided's head h of output row tt (out + tt * stride_row, its LSE at
+// lse_out + tt * lse_stride_row); rows >= rows are padding and emit nothing.
+template <typename T, int HEADS>
+struct EmitRows {
+  EmitStrided<T> first;  // output row 0
+  long long stride_row, lse_stride_row;
+  int rows;
+  __device__ __forceinline__ void finish(int r, int d, float4 o, float lse) {
+    if (r >= rows) return;
+    const int tt = r / HEADS, h = r - tt * HEADS;
+    EmitStrided<T>{first.out + tt * stride_row, first.stride_head,
+                   first.lse_out == nullptr ? nullptr : first.lse_out + tt * lse_stride_row, first.sinks}
+        .finish(h, d, o, lse);
+  }
+};
+
 // Visible slot range of pages [page_lo, page_hi) of a request: slots are
 // counted from entry 0 of its first page, and the visible ones are
 // [first_page_offset, (pages - 1) * page_size + last_page_len).

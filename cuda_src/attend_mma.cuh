@@ -113,13 +113,14 @@ struct MmaLayout {
   static_assert(HEAD_DIM % 32 == 0 && (MMA_TILE * CPR) % 32 == 0, "unsupported HEAD_DIM");
 };
 
-template <typename T, typename KV, int HEAD_DIM, int HEADS>
+// ROWS: the query rows a CTA combines (its heads, or a row group's rows).
+template <typename T, typename KV, int HEAD_DIM, int ROWS>
 struct MmaScratch {
   using L = MmaLayout<KV, HEAD_DIM>;
   int page_ids[PAGE_WINDOW];
   union __align__(16) {
     unsigned char kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW_BYTES];  // [stage][warp][K or V][token][bytes]
-    WarpStates<MMA_WARPS, HEADS, HEAD_DIM> combine;
+    WarpStates<MMA_WARPS, ROWS, HEAD_DIM> combine;
   };
 };
 
@@ -299,22 +300,37 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
 // accumulators (their layout is the A layout). Measured faster than the
 // transposed tile below for 16-bit KV on the largest cells (4-6 % at batch
 // 128, H200, 2026-11-29): one shuffle pair per tile instead of three.
-template <typename T, int HEAD_DIM, int HEADS>
+// GROUPS (a row group, RowGroup): all 16 rows are query rows, row r token
+// r / HEADS's head r % HEADS with its own causal end; a lane keeps rows g and
+// g + 8 (HALVES), so the K/V tile is read once for up to 16 / HEADS tokens.
+template <typename T, int HEAD_DIM, int HEADS, bool GROUPS>
 struct RowsTile {
   static_assert(HEADS <= 8, "query heads are MMA rows 0..7");
   using M = Mma<T>;
   using Row = unsigned char[MmaLayout<T, HEAD_DIM>::ROW_BYTES];
   static constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;  // k-steps; output n-tiles of 8 dims
-  unsigned qa[KSTEPS][2];  // Q A fragments: rows g, columns 16k + 2t (+8)
-  float o[NT][4];          // O rows g (and zero rows g + 8), dims 8n + 2t, +1
-  float m, l;              // row g's running max and this lane's share of its sum
+  static constexpr int HALVES = GROUPS ? 2 : 1;  // MMA rows g (and g + 8) this lane keeps
+  unsigned qa[HALVES][KSTEPS][2];  // Q A fragments: rows g (+8), columns 16k + 2t (+8)
+  float o[NT][4];          // O rows g and g + 8 (zero without GROUPS), dims 8n + 2t, +1
+  float m[HALVES], l[HALVES];  // each row's running max and this lane's share of its sum
+  int lim[HALVES];         // GROUPS: each row's causal end (slot)
+  int rows;                // query rows in use
   float score_scale;
   ScoreMap sc;
   int g, t, lane;
 
-  __device__ __forceinline__ RowsTile(const T* __restrict__ q, long long stride_q_head, ScoreMap sc_)
-      : m(neg_inf()), l(0.f), sc(sc_), g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), lane(threadIdx.x % 32) {
-    score_scale = sc.scale * load_q_fragments<T, false, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qa);
+  __device__ __forceinline__ RowsTile(const T* __restrict__ q, long long stride_q_head, ScoreMap sc_, RowGroup rg)
+      : sc(sc_), g(threadIdx.x % 32 / 4), t(threadIdx.x % 4), lane(threadIdx.x % 32) {
+    rows = GROUPS ? rg.rows : HEADS;
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      const int r = g + 8 * h;
+      const T* qr = GROUPS ? q + (r / HEADS) * rg.stride_q_row + (r % HEADS) * stride_q_head : q + g * stride_q_head;
+      score_scale = sc.scale * load_q_fragments<T, false, KSTEPS>(qr, r < rows, t, qa[h]);  // (1 for 16-bit q)
+      m[h] = neg_inf();
+      l[h] = 0.f;
+      lim[h] = GROUPS ? rg.lim0 + r / HEADS : 0;
+    }
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   }
@@ -329,78 +345,100 @@ struct RowsTile {
       for (int k = 0; k < KSTEPS; k += 2) {
         unsigned b[4];
         ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][(k * 16 + (lane / 8) * 8) * 2]);
-        M::mma(s[n], qa[k][0], 0u, qa[k][1], 0u, b[0], b[1]);
-        M::mma(s[n], qa[k + 1][0], 0u, qa[k + 1][1], 0u, b[2], b[3]);
+        M::mma(s[n], qa[0][k][0], GROUPS ? qa[HALVES - 1][k][0] : 0u, qa[0][k][1],
+               GROUPS ? qa[HALVES - 1][k][1] : 0u, b[0], b[1]);
+        M::mma(s[n], qa[0][k + 1][0], GROUPS ? qa[HALVES - 1][k + 1][0] : 0u, qa[0][k + 1][1],
+               GROUPS ? qa[HALVES - 1][k + 1][1] : 0u, b[2], b[3]);
       }
     }
-    // Online softmax of row g over this tile's 16 tokens (4 lanes per row).
+    // Online softmax of rows g (s[n][0..1]) and g + 8 (s[n][2..3]) over this
+    // tile's 16 tokens (4 lanes per row).
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      s[n][0] *= score_scale;
-      s[n][1] *= score_scale;
-    }
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2 * HALVES; ++e) s[n][e] *= score_scale;
     if (sc.soft_cap > 0.f) {  // uniform branch
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        s[n][0] = sc.cap(s[n][0]);
-        s[n][1] = sc.cap(s[n][1]);
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2 * HALVES; ++e) s[n][e] = sc.cap(s[n][e]);
+    }
+    float m_new[HALVES], m_safe[HALVES];
+    bool grew = false;
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      const int end = GROUPS ? min(s1, lim[h]) : s1;
+      float mx = neg_inf();
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (base + n * 8 + 2 * t + e >= end) s[n][2 * h + e] = neg_inf();
+          mx = fmaxf(mx, s[n][2 * h + e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      m_new[h] = fmaxf(m[h], mx);
+      m_safe[h] = m_new[h] == neg_inf() ? 0.f : m_new[h];
+      grew = grew || m_new[h] > m[h];
+    }
+    if (__any_sync(0xffffffffu, grew)) {  // the max grows O(log n) times
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h) {
+        const float alpha = fast_exp2(m[h] - m_safe[h]);
+        l[h] *= alpha;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          o[n][2 * h] *= alpha;
+          o[n][2 * h + 1] *= alpha;
+        }
       }
     }
-    float mx = neg_inf();
+    float p[2][4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int h = 0; h < HALVES; ++h) {
+      m[h] = m_new[h];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if (base + n * 8 + 2 * t + e >= s1) s[n][e] = neg_inf();
-        mx = fmaxf(mx, s[n][e]);
-      }
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx);
-    const float m_safe = m_new == neg_inf() ? 0.f : m_new;
-    if (__any_sync(0xffffffffu, m_new > m)) {  // the max grows O(log n) times
-      const float alpha = fast_exp2(m - m_safe);
-      l *= alpha;
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        o[n][0] *= alpha;
-        o[n][1] *= alpha;
-      }
+        for (int e = 0; e < 2; ++e) {
+          p[n][2 * h + e] = fast_exp2(s[n][2 * h + e] - m_safe[h]);
+          l[h] += p[n][2 * h + e];
+        }
     }
-    m = m_new;
-    float p[2][2];
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        p[n][e] = fast_exp2(s[n][e] - m_safe);
-        l += p[n][e];
-      }
-    // P as the A fragment of P.V: tokens 2t, 2t+1 (n-tile 0) and 2t+8, 2t+9 (n-tile 1).
+    // P as the A fragment of P.V: tokens 2t, 2t+1 (n-tile 0) and 2t+8, 2t+9
+    // (n-tile 1) of rows g (a0, a2) and g + 8 (a1, a3).
     const unsigned pa0 = M::pack(p[0][0], p[0][1]);
     const unsigned pa2 = M::pack(p[1][0], p[1][1]);
+    const unsigned pa1 = GROUPS ? M::pack(p[0][2], p[0][3]) : 0u;
+    const unsigned pa3 = GROUPS ? M::pack(p[1][2], p[1][3]) : 0u;
     // O += P V: one ldmatrix.x4.trans gives the B fragments of 16 dims.
 #pragma unroll
     for (int n = 0; n < NT; n += 2) {
       unsigned b[4];
       ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][(n * 8 + (lane / 16) * 8) * 2]);
-      M::mma(o[n], pa0, 0u, pa2, 0u, b[0], b[1]);
-      M::mma(o[n + 1], pa0, 0u, pa2, 0u, b[2], b[3]);
+      M::mma(o[n], pa0, pa1, pa2, pa3, b[0], b[1]);
+      M::mma(o[n + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
     }
   }
 
   template <typename States>
   __device__ __forceinline__ void store(States& st, int warp) {
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (g < HEADS) {
-      if (t == 0) {
-        st.m[warp][g] = m;
-        st.l[warp][g] = l;
-      }
 #pragma unroll
-      for (int n = 0; n < NT; ++n)
-        *reinterpret_cast<float2*>(&st.acc[warp][g][n * 8 + 2 * t]) = make_float2(o[n][0], o[n][1]);
+    for (int h = 0; h < HALVES; ++h) {
+      float lh = l[h];
+      lh += __shfl_xor_sync(0xffffffffu, lh, 1);
+      lh += __shfl_xor_sync(0xffffffffu, lh, 2);
+      const int r = g + 8 * h;
+      if (r < rows) {
+        if (t == 0) {
+          st.m[warp][r] = m[h];
+          st.l[warp][r] = lh;
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+          *reinterpret_cast<float2*>(&st.acc[warp][r][n * 8 + 2 * t]) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+      }
     }
   }
 };
@@ -412,7 +450,9 @@ struct RowsTile {
 // this layout widens each K/V byte once (the rows layout would need the
 // byte-split V twice as B fragments). P^T comes out of the S^T accumulators
 // in the A/C layout; movmatrix turns it into the B layout.
-template <typename T, int HEAD_DIM, int HEADS>
+// GROUPS (a row group, RowGroup): the 8 columns are query rows, column c
+// token c / HEADS's head c % HEADS with its own causal end.
+template <typename T, int HEAD_DIM, int HEADS, bool GROUPS>
 struct ColsTile {
   static_assert(HEADS <= 8, "query heads are the MMA's 8 N columns");
   using M = Mma<f16>;  // e4m3 widens exactly to f16
@@ -421,14 +461,20 @@ struct ColsTile {
   unsigned qb[KSTEPS][2];  // Q^T B fragments (column g = query head g), permuted k order
   float o[MT][4];          // O^T rows (dims 16i + 2g, +1), columns (heads 2t, 2t + 1)
   float m0, m1, l0, l1;    // heads 2t and 2t + 1 (l: this lane's share of the sum)
+  int rows;               // query columns in use
+  int lim0, lim1;         // GROUPS: the causal ends (slot) of columns 2t and 2t + 1
   float score_scale;
   ScoreMap sc;
   int g, t, lane;
 
-  __device__ __forceinline__ ColsTile(const T* __restrict__ q, long long stride_q_head, ScoreMap sc_)
+  __device__ __forceinline__ ColsTile(const T* __restrict__ q, long long stride_q_head, ScoreMap sc_, RowGroup rg)
       : m0(neg_inf()), m1(neg_inf()), l0(0.f), l1(0.f), sc(sc_), g(threadIdx.x % 32 / 4), t(threadIdx.x % 4),
         lane(threadIdx.x % 32) {
-    score_scale = sc.scale * load_q_fragments<T, true, KSTEPS>(q + g * stride_q_head, g < HEADS, t, qb);
+    rows = GROUPS ? rg.rows : HEADS;
+    lim0 = GROUPS ? rg.lim0 + 2 * t / HEADS : 0;
+    lim1 = GROUPS ? rg.lim0 + (2 * t + 1) / HEADS : 0;
+    const T* qg = GROUPS ? q + (g / HEADS) * rg.stride_q_row + (g % HEADS) * stride_q_head : q + g * stride_q_head;
+    score_scale = sc.scale * load_q_fragments<T, true, KSTEPS>(qg, g < rows, t, qb);
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   }
@@ -454,8 +500,16 @@ struct ColsTile {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] = sc.cap(s[i]);
     }
-    if (base + g >= s1) s[0] = s[1] = neg_inf();
-    if (base + g + 8 >= s1) s[2] = s[3] = neg_inf();
+    if constexpr (GROUPS) {  // columns 2t and 2t + 1 end where their tokens do
+      const int e0 = min(s1, lim0), e1 = min(s1, lim1);
+      if (base + g >= e0) s[0] = neg_inf();
+      if (base + g >= e1) s[1] = neg_inf();
+      if (base + g + 8 >= e0) s[2] = neg_inf();
+      if (base + g + 8 >= e1) s[3] = neg_inf();
+    } else {
+      if (base + g >= s1) s[0] = s[1] = neg_inf();
+      if (base + g + 8 >= s1) s[2] = s[3] = neg_inf();
+    }
 
     // Online softmax per head (column) over the tile's 16 tokens: the 8
     // lanes of one t hold a column's rows.
@@ -513,35 +567,43 @@ struct ColsTile {
     }
     const int h0 = 2 * t, h1 = 2 * t + 1;
     if (g == 0) {
-      if (h0 < HEADS) {
+      if (h0 < rows) {
         st.m[warp][h0] = m0;
         st.l[warp][h0] = l0;
       }
-      if (h1 < HEADS) {
+      if (h1 < rows) {
         st.m[warp][h1] = m1;
         st.l[warp][h1] = l1;
       }
     }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {  // rows (g, g + 8) are dims 16i + 2g + (0, 1)
-      if (h0 < HEADS) *reinterpret_cast<float2*>(&st.acc[warp][h0][16 * i + 2 * g]) = make_float2(o[i][0], o[i][2]);
-      if (h1 < HEADS) *reinterpret_cast<float2*>(&st.acc[warp][h1][16 * i + 2 * g]) = make_float2(o[i][1], o[i][3]);
+      if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][16 * i + 2 * g]) = make_float2(o[i][0], o[i][2]);
+      if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][16 * i + 2 * g]) = make_float2(o[i][1], o[i][3]);
     }
   }
 };
 
+// Query rows one tensor-core CTA holds: its HEADS heads, or with row groups
+// the MMA's 16 M rows (16-bit KV) or 8 N columns (fp8 KV).
+template <typename KV, int HEADS, bool GROUPS>
+struct MmaRows {
+  static constexpr int value = !GROUPS ? HEADS : IsSame<KV, e4m3>::value ? 8 : 16;
+};
+
 // Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
-// T is the query/output storage type, KV the cache's (T, or e4m3).
-template <typename T, typename KV, int HEAD_DIM, int HEADS, typename Emit>
+// T is the query/output storage type, KV the cache's (T, or e4m3). With
+// GROUPS, rg's rows (a row group) instead of the HEADS heads at q.
+template <typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS, typename Emit>
 __device__ __forceinline__ void cta_attend_mma(
     const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
     const KV* __restrict__ k_cache, CacheStrides ks,
     const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
-    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
-    MmaScratch<T, KV, HEAD_DIM, HEADS>& sm, Emit& emit) {
-  using Tile = typename Select<IsSame<KV, e4m3>::value, ColsTile<T, HEAD_DIM, HEADS>,
-                               RowsTile<T, HEAD_DIM, HEADS>>::type;
-  Tile tile(q, stride_q_head, sc);
+    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end, RowGroup rg,
+    MmaScratch<T, KV, HEAD_DIM, MmaRows<KV, HEADS, GROUPS>::value>& sm, Emit& emit) {
+  using Tile = typename Select<IsSame<KV, e4m3>::value, ColsTile<T, HEAD_DIM, HEADS, GROUPS>,
+                               RowsTile<T, HEAD_DIM, HEADS, GROUPS>>::type;
+  Tile tile(q, stride_q_head, sc, rg);
   mma_token_loop<KV, HEAD_DIM>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin, slot_end, sm,
                                tile);
   __syncthreads();  // the ring becomes the combine buffer

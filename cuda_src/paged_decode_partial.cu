@@ -39,8 +39,9 @@
 //   k_head_scale, v_head_scale [num_kv_heads] float32 per-head dequantization scales, or null (1)
 //   plan             the plan image, one int32 array written by one host-to-device copy
 //                    (cupaged/_launch.py PlanImage):
-//     [0:8)   header {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, 0}:
-//             the count of units, then each array's offset in int32 elements from the image's start
+//     [0:8)   header {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch,
+//             group_rows}: the count of units, then each array's offset in int32 elements from the
+//             image's start (group_rows: 0 when the plan has no row groups)
 //     [8:8+4*num_units)  the units, int4 {request, chunk, page_lo, page_hi} in launch order:
 //             chunk c (its partial row; chunk c - o_indptr[r] of request r) covers the request's
 //             pages [page_lo, min(page_hi, pages_r)) (a request's last unit ends past its pages, so a
@@ -48,6 +49,11 @@
 //     o_indptr [batch + 1]: request r's chunks are partial rows [o_indptr[r], o_indptr[r + 1])
 //     indptr [batch + 1], last_page_len [batch], first_page_offset [batch], indices [indptr[batch]]:
 //             the page table (CSR of physical page ids)
+//     group_rows [batch] (paged_decode_rows): the rows of a table of several query tokens per
+//             request (PageTable.query_rows) form row groups, each a request's consecutive tokens;
+//             row r starts a group of group_rows[r] rows (>= 1), every row of which has the same
+//             chunk count and split; units name only a group's first row, and its CTAs serve all
+//             of the group's rows (AttendCore::TOKENS tokens per pass over the chunk's K/V)
 //   partial_v        [chunks, num_qo_heads, HEAD_DIM] float32 contiguous (null if no request splits)
 //   partial_lse      [chunks, num_qo_heads] float32 contiguous (null if no request splits)
 //   merge_counters   [batch * heads_groups] int32, all 0 before the launch and after it (null if no split)
@@ -97,13 +103,15 @@ struct PartialParams {
 // Attention core of the partial kernel; mirrored by cupaged/_configs.py CORES.
 enum class Core { SIMT = 0, MMA = 1 };
 
-template <Core CORE, typename T, typename KV, int HEAD_DIM, int HEADS>
+// GROUPS: the core serves row groups (RowGroup), TOKENS tokens per pass.
+template <Core CORE, typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS>
 struct AttendCore;
 
-template <typename T, int HEAD_DIM, int HEADS>
-struct AttendCore<Core::SIMT, T, T, HEAD_DIM, HEADS> {
+template <typename T, int HEAD_DIM, int HEADS, bool GROUPS>
+struct AttendCore<Core::SIMT, T, T, HEAD_DIM, HEADS, GROUPS> {
   static constexpr int THREADS = NUM_THREADS;
   static constexpr int MIN_BLOCKS = MinBlocks<HEADS>::value;
+  static constexpr int TOKENS = 1;  // one token's heads per pass
   using Scratch = AttendScratch<T, HEAD_DIM, HEADS>;
   static constexpr int DYNAMIC_SMEM = 0;  // static shared memory (< 48 KB)
   __device__ __forceinline__ static Scratch& scratch() {
@@ -111,16 +119,18 @@ struct AttendCore<Core::SIMT, T, T, HEAD_DIM, HEADS> {
     return sm;
   }
   template <typename Emit, typename... Args>
-  __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
+  __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, RowGroup, Args... args) {
     cta_attend<T, HEAD_DIM, HEADS>(args..., sm, emit);
   }
 };
 
-template <typename T, typename KV, int HEAD_DIM, int HEADS>
-struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS> {
+template <typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS>
+struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS, GROUPS> {
   static constexpr int THREADS = MMA_THREADS;
   static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;
-  using Scratch = MmaScratch<T, KV, HEAD_DIM, HEADS>;
+  static constexpr int ROWS = MmaRows<KV, HEADS, GROUPS>::value;
+  static constexpr int TOKENS = ROWS / HEADS;
+  using Scratch = MmaScratch<T, KV, HEAD_DIM, ROWS>;
   static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this
   static_assert(sizeof(Scratch) <= MMA_SMEM_BYTES, "MMA scratch exceeds its shared memory budget");
   __device__ __forceinline__ static Scratch& scratch() {
@@ -128,16 +138,16 @@ struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS> {
     return *reinterpret_cast<Scratch*>(dynamic_smem);
   }
   template <typename Emit, typename... Args>
-  __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, Args... args) {
-    cta_attend_mma<T, KV, HEAD_DIM, HEADS>(args..., sm, emit);
+  __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, RowGroup rg, Args... args) {
+    cta_attend_mma<T, KV, HEAD_DIM, HEADS, GROUPS>(args..., rg, sm, emit);
   }
 };
 
-template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE>
-__global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THREADS,
-                                  AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::MIN_BLOCKS)
-    paged_decode_partial(const __grid_constant__ PartialParams p) {
-  using Attn = AttendCore<CORE, T, KV, HEAD_DIM, HEADS>;
+// The kernels' body. Without GROUPS a unit is one request's chunk; with
+// GROUPS (paged_decode_rows) its request is the first row of a row group.
+template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE, bool GROUPS>
+__device__ __forceinline__ void partial_body(const PartialParams& p) {
+  using Attn = AttendCore<CORE, T, KV, HEAD_DIM, HEADS, GROUPS>;
   typename Attn::Scratch& sm = Attn::scratch();
   __shared__ int is_last;
   // A launch with less dynamic shared memory than the core needs would write
@@ -155,14 +165,18 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   const int kv_head = y / q_groups;
   const int head0 = kv_head * p.group_size + (y % q_groups) * HEADS;
   const int req = w.x, chunk = w.y;
+  // A row group's rows are one request's consecutive tokens: its last row's
+  // pages hold every row's, and row t ends (n - 1 - t) slots before it.
+  const int rows = GROUPS && h1.w != 0 ? p.plan[h1.w + req] : 1;
+  const int last = req + rows - 1;
   const int chunk0 = o_indptr[req], num_chunks = o_indptr[req + 1] - chunk0;
-  const int page0 = indptr[req];
-  const int pages = indptr[req + 1] - page0;
+  const int page0 = indptr[last];
+  const int pages = indptr[last + 1] - page0;
   const int page_size = p.page_size;
+  const int last_len = p.plan[h0.w + last];
 
   int slot_begin, slot_end;
-  visible_slots(pages, p.plan[h1.x + req], p.plan[h0.w + req], page_size, w.z, min(w.w, pages), slot_begin,
-                slot_end);
+  visible_slots(pages, p.plan[h1.x + last], last_len, page_size, w.z, min(w.w, pages), slot_begin, slot_end);
   const int* indices = p.plan + h1.y + page0;
 
   const T* q_cta = static_cast<const T*>(p.q) + req * p.stride_q_batch + head0 * p.stride_q_head;
@@ -176,18 +190,48 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   T* out = static_cast<T*>(p.final_out) + req * p.stride_o_batch + head0 * stride_o_head;
   float* lse_out = p.final_lse == nullptr ? nullptr : p.final_lse + (long long)req * num_qo_heads + head0;
   const float* sinks = p.sinks == nullptr ? nullptr : p.sinks + head0;
-  if (num_chunks == 1) {
-    EmitStrided<T> emit{out, stride_o_head, lse_out, sinks};
-    Attn::run(sm, emit, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
-              slot_begin, slot_end);
-    return;
-  }
   const long long row = (long long)chunk * num_qo_heads + head0;
-  EmitStrided<float> emit{p.partial_v + row * HEAD_DIM, HEAD_DIM, p.partial_lse + row};
-  Attn::run(sm, emit, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
-            slot_begin, slot_end);
+  if constexpr (!GROUPS) {
+    const RowGroup none{0, HEADS, 0};
+    if (num_chunks == 1) {
+      EmitStrided<T> emit{out, stride_o_head, lse_out, sinks};
+      Attn::run(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
+                slot_begin, slot_end);
+      return;
+    }
+    EmitStrided<float> emit{p.partial_v + row * HEAD_DIM, HEAD_DIM, p.partial_lse + row};
+    Attn::run(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
+              slot_begin, slot_end);
+  } else {
+    // Every row of the group has num_chunks chunks (the plan gives them the
+    // last row's split): row t's partial of this chunk is chunk + t * num_chunks.
+    const int end = pages > 0 ? (pages - 1) * page_size + last_len : 0;  // the last row's visible end
+    for (int t0 = 0; t0 < rows; t0 += Attn::TOKENS) {
+      const int n = min(Attn::TOKENS, rows - t0);
+      const int lim0 = end - (rows - 1 - t0);  // token t0's end
+      const int pass_end = max(slot_begin, min(slot_end, lim0 + n - 1));
+      const RowGroup rg{p.stride_q_batch, n * HEADS, lim0};
+      const T* q_pass = q_cta + t0 * p.stride_q_batch;
+      if (t0 > 0) __syncthreads();  // the last pass's combine buffer is the ring
+      if (num_chunks == 1) {
+        EmitRows<T, HEADS> emit{{out + t0 * p.stride_o_batch, stride_o_head,
+                                 lse_out == nullptr ? nullptr : lse_out + (long long)t0 * num_qo_heads, sinks},
+                                p.stride_o_batch, num_qo_heads, n * HEADS};
+        Attn::run(sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices,
+                  page_size, slot_begin, pass_end);
+      } else {
+        const long long prow = row + (long long)t0 * num_chunks * num_qo_heads;
+        const long long stride_prow = (long long)num_chunks * num_qo_heads;
+        EmitRows<float, HEADS> emit{{p.partial_v + prow * HEAD_DIM, HEAD_DIM, p.partial_lse + prow},
+                                    stride_prow * HEAD_DIM, stride_prow, n * HEADS};
+        Attn::run(sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices,
+                  page_size, slot_begin, pass_end);
+      }
+    }
+    if (num_chunks == 1) return;
+  }
 
-  // Release this CTA's partial, then take a ticket; the last one merges.
+  // Release this CTA's partials, then take a ticket; the last one merges.
   __threadfence();
   __syncthreads();
   int* counter = p.merge_counters + (long long)req * heads_groups + y;
@@ -196,13 +240,33 @@ __global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS>::THRE
   if (!is_last) return;
   __threadfence();  // acquire: the other CTAs' partials are visible from here on
   constexpr int D4 = HEAD_DIM / 4;
-  for (int item = threadIdx.x; item < HEADS * D4; item += Attn::THREADS) {
-    const int h = item / D4, d = (item % D4) * 4;
-    const Merged r =
-        merge_partials(p.partial_v, p.partial_lse, chunk0, chunk0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d);
-    EmitStrided<T>{out, stride_o_head, lse_out, sinks}.finish(h, d, r.o, r.lse);
+  for (int item = threadIdx.x; item < rows * HEADS * D4; item += Attn::THREADS) {
+    const int r = item / D4, d = (item % D4) * 4;
+    const int tt = GROUPS ? r / HEADS : 0, h = GROUPS ? r - tt * HEADS : r;
+    const int c0 = chunk0 + tt * num_chunks;
+    const Merged m =
+        merge_partials(p.partial_v, p.partial_lse, c0, c0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d);
+    EmitStrided<T>{out + tt * p.stride_o_batch, stride_o_head,
+                   lse_out == nullptr ? nullptr : lse_out + (long long)tt * num_qo_heads, sinks}
+        .finish(h, d, m.o, m.lse);
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
+}
+
+template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE>
+__global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS, false>::THREADS,
+                                  AttendCore<CORE, T, KV, HEAD_DIM, HEADS, false>::MIN_BLOCKS)
+    paged_decode_partial(const __grid_constant__ PartialParams p) {
+  partial_body<T, KV, HEAD_DIM, HEADS, CORE, false>(p);
+}
+
+// The same over a plan with row groups (several query tokens per request):
+// one CTA reads a chunk's K/V once for up to AttendCore::TOKENS tokens.
+template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE>
+__global__ void __launch_bounds__(AttendCore<CORE, T, KV, HEAD_DIM, HEADS, true>::THREADS,
+                                  AttendCore<CORE, T, KV, HEAD_DIM, HEADS, true>::MIN_BLOCKS)
+    paged_decode_rows(const __grid_constant__ PartialParams p) {
+  partial_body<T, KV, HEAD_DIM, HEADS, CORE, true>(p);
 }
 
 }  // namespace cupaged

@@ -103,6 +103,9 @@ def _storage(variant_name: str) -> str:
 # kernel family -> source file in cuda_src/
 SOURCES: dict[str, str] = {
     "partial": "paged_decode_partial.cu",
+    # the partial kernel over row groups (several query tokens per request);
+    # its own modules, so a plain decode never compiles them
+    "rows": "paged_decode_partial.cu",
     "v1": "paged_decode_v1.cu",
     "merge": "merge_states.cu",
     "append": "append_kv.cu",
@@ -114,6 +117,8 @@ SOURCES: dict[str, str] = {
 APPEND_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 APPEND_ANY_HEAD_DIM = 0
 APPEND_CACHE_TYPES: tuple[str, ...] = ("same", FP8)  # index = instance index
+# the partial kernel's families -> its __global__ function
+PARTIAL_FAMILIES: dict[str, str] = {"partial": "paged_decode_partial", "rows": "paged_decode_rows"}
 
 
 _NAMES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16",
@@ -146,8 +151,8 @@ def check_head_dim(head_dim: int) -> None:
 def name_expressions(family: str, dtype: str, head_dim: int) -> list[str]:
     """Template instances of one compiled module: (family, dtype, head_dim);
     ``dtype`` is a module variant (:func:`variant`) for the partial family."""
-    if family == "partial":
-        return [f"cupaged::paged_decode_partial<{_storage(dtype)}, {head_dim}, {h}, {core}>"
+    if family in PARTIAL_FAMILIES:
+        return [f"cupaged::{PARTIAL_FAMILIES[family]}<{_storage(dtype)}, {head_dim}, {h}, {core}>"
                 for core, _, dtypes, dims in CORES.values() if dtype in dtypes and head_dim in dims
                 for h in HEADS_PER_CTA]
     t = DTYPES[dtype]
@@ -193,13 +198,25 @@ def nvrtc_defines() -> tuple[str, ...]:
             f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}")
 
 
-def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> tuple[int, int]:
-    """(index into name_expressions("partial", dtype, ...), threads per CTA) of
-    one instance; ``dtype`` is a module variant."""
+def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str,
+                     family: str = "partial") -> tuple[int, int]:
+    """(index into name_expressions(family, dtype, ...), threads per CTA) of
+    one instance of the partial kernel (``family`` "partial", or "rows" for
+    plans with row groups); ``dtype`` is a module variant."""
     if not serves(core, dtype, head_dim):
         raise ValueError(f"core {core!r} does not serve {dtype} with head_dim {head_dim}")
-    name = f"cupaged::paged_decode_partial<{_storage(dtype)}, {head_dim}, {heads_per_cta}, {CORES[core][0]}>"
-    return name_expressions("partial", dtype, head_dim).index(name), CORES[core][1]
+    name = f"cupaged::{PARTIAL_FAMILIES[family]}<{_storage(dtype)}, {head_dim}, {heads_per_cta}, {CORES[core][0]}>"
+    return name_expressions(family, dtype, head_dim).index(name), CORES[core][1]
+
+
+def tokens_per_cta(dtype: str, heads_per_cta: int, core: str) -> int:
+    """Query tokens of one request a "rows" CTA serves per read of its K/V
+    (cuda_src AttendCore::TOKENS): the tensor-core tile's 16 M rows (16-bit
+    KV) or 8 N columns (fp8 KV) over the CTA's heads; the CUDA-core core
+    serves one token at a time."""
+    if core != "mma":
+        return 1
+    return (8 if "+" in dtype else 16) // heads_per_cta
 
 
 def all_modules() -> list[tuple[str, str, int]]:
@@ -208,5 +225,5 @@ def all_modules() -> list[tuple[str, str, int]]:
     mods = ([(f, d, h) for f in SOURCES if f != "append" for d in DTYPES for h in HEAD_DIMS]
             + [("append", d, APPEND_ANY_HEAD_DIM) for d in APPEND_DTYPES])
     mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if "+" in d})
-    return mods + [("partial", d, h) for d in mixed for h in HEAD_DIMS
+    return mods + [(f, d, h) for f in PARTIAL_FAMILIES for d in mixed for h in HEAD_DIMS
                    if any(d in dtypes and h in dims for _, _, dtypes, dims in CORES.values())]

@@ -58,7 +58,7 @@ _W_Q, _W_K, _W_V, _W_OUT, _W_LSE = (getattr(PartialParams, f).offset // 8
 
 
 # ------------------------------------------------------------------ the plan image
-HEADER = 8  # int32: {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, 0}
+HEADER = 8  # int32: {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, group_rows}
 HEADER_BATCH = 6  # the header entry holding the batch size (append_kv's device_batch)
 
 
@@ -68,42 +68,55 @@ def image_capacity(max_batch: int, max_units: int, max_pages: int) -> int:
 
 
 def plan_units(plan) -> np.ndarray:
-    """The plan's work units ``[num_chunks, 4]`` int32 in launch order:
+    """The plan's work units ``[plan.num_units, 4]`` int32 in launch order:
     ``(request, chunk, page_lo, page_hi)``; a request's last chunk ends at
     ``request_chunks * chunk_pages`` pages, past the request's pages while
     ``plan.matches`` holds (the kernel clips it), so the plan serves a grown
-    table."""
+    table. With row groups only a group's first row has units (its CTAs
+    serve the group's rows)."""
     order = plan.launch_order
+    if plan.group_last is not None:
+        first = np.ones(plan.batch_size, dtype=bool)
+        first[1:] = plan.group_last[1:] != plan.group_last[:-1]
+        order = order[first[plan.chunk_request[order]]]
     req = plan.chunk_request[order].astype(np.int64)
     pages = plan.request_chunk_pages[req].astype(np.int64)
     lo = plan.chunk_index[order] * pages
     return np.ascontiguousarray(np.stack([req, order, lo, lo + pages], axis=1).astype(np.int32))
 
 
-def image_offsets(max_batch: int, max_units: int) -> tuple[int, int, int, int, int]:
+def image_offsets(max_batch: int, max_units: int) -> tuple[int, int, int, int, int, int]:
     """Offsets (int32 elements) of ``o_indptr``, ``indptr``, ``last_page_len``,
-    ``first_page_offset`` and ``indices`` in an image of these capacities:
-    fixed, so kernels that take the table as plain pointers (append_kv) can
-    be captured in a graph that outlives one table."""
+    ``first_page_offset``, ``group_rows`` and ``indices`` in an image of these
+    capacities: fixed, so kernels that take the table as plain pointers
+    (append_kv) can be captured in a graph that outlives one table."""
     o = HEADER + 4 * max_units
     indptr = o + max_batch + 1
     last = indptr + max_batch + 1
     first = last + max_batch
-    return o, indptr, last, first, first + max_batch
+    groups = first + max_batch
+    return o, indptr, last, first, groups, groups + max_batch
 
 
 def write_image(dst: np.ndarray, offsets: tuple, units: np.ndarray, plan, table) -> int:
     """Writes the image of (``units`` of ``plan``, ``table``) into the int32
     array ``dst`` at ``offsets`` (:func:`image_offsets`); returns the
     elements up to the end of the indices (the span to copy). The header
-    holds ``num_units``, the five offsets and the batch size."""
+    holds ``num_units``, the offsets of o_indptr, the table and the indices,
+    the batch size and the offset of ``group_rows`` (row ``r`` starts a group
+    of ``group_last[r] - r + 1`` rows), 0 when the plan has no row groups."""
     n = units.shape[0]
     dst[HEADER:HEADER + 4 * n] = units.reshape(-1)
+    o, indptr, last, first, groups, indices = offsets
     parts = (plan.o_indptr, table.indptr, table.last_page_len, table.first_page_offset, table.indices)
-    for at, part in zip(offsets, parts):
+    for at, part in zip((o, indptr, last, first, indices), parts):
         dst[at:at + part.shape[0]] = part
-    dst[:HEADER] = (n, *offsets, plan.batch_size, 0)
-    return offsets[-1] + table.indices.shape[0]
+    if plan.group_last is not None:
+        b = plan.batch_size
+        np.subtract(plan.group_last, np.arange(-1, b - 1, dtype=np.int32), out=dst[groups:groups + b])
+    dst[:HEADER] = (n, o, indptr, last, first, indices, plan.batch_size,
+                    0 if plan.group_last is None else groups)
+    return indices + table.indices.shape[0]
 
 
 # ------------------------------------------------------------------ launch state
@@ -122,7 +135,7 @@ class PartialLaunch:
     threads."""
 
     def __init__(self, variant: str, num_qo_heads: int, num_kv_heads: int, head_dim: int, heads_per_cta: int,
-                 page_size: int, max_batch: int, max_units: int, max_pages: int):
+                 page_size: int, max_batch: int, max_units: int, max_pages: int, family: str = "partial"):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -134,8 +147,10 @@ class PartialLaunch:
         self.heads_groups = num_kv_heads * q_groups
         self.max_batch, self.max_units, self.max_pages = max_batch, max_units, max_pages
         self.core = _configs.choose_core(variant, head_dim, _env.core())
-        index, threads = _configs.partial_instance(variant, head_dim, heads_per_cta, self.core)
-        self.kernel = _loader.get_kernel("partial", variant, head_dim, index)
+        # family "rows" (plans with row groups) or "partial" (the others)
+        index, threads = _configs.partial_instance(variant, head_dim, heads_per_cta, self.core, family)
+        self.family = family
+        self.kernel = _loader.get_kernel(family, variant, head_dim, index)
         self.function = self.kernel.kernel.ptr  # CUfunction on this device (compiles on first use)
         self.smem = _configs.dynamic_smem(self.core)
         if self.smem:  # opt-in: static + dynamic may exceed the default 48 KB

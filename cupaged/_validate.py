@@ -66,9 +66,10 @@ def check_plan_structure(plan) -> None:
             or plan.q_groups * plan.heads_per_cta != plan.group_size or hg != plan.num_kv_heads * plan.q_groups):
         bad(f"heads (qo {plan.num_qo_heads}, kv {plan.num_kv_heads}, group {plan.group_size}, per CTA "
             f"{plan.heads_per_cta}, q_groups {plan.q_groups}, heads_groups {hg}) do not multiply out")
-    if plan.num_ctas != n * hg or tuple(plan.grid) != (n * hg, 1, 1):
-        bad(f"grid {plan.grid} / num_ctas {plan.num_ctas} is not num_chunks * heads_groups = {n * hg}")
     counts = np.asarray(plan.request_chunks, dtype=np.int64)
+    units = n if plan.group_last is None else _check_row_groups(plan, counts, bad)
+    if plan.num_ctas != units * hg or tuple(plan.grid) != (units * hg, 1, 1):
+        bad(f"grid {plan.grid} / num_ctas {plan.num_ctas} is not units * heads_groups = {units * hg}")
     o = np.asarray(plan.o_indptr, dtype=np.int64)
     if counts.shape != (B,) or counts.min(initial=1) < 1 or o.shape != (B + 1,) or o[0] != 0 \
             or not np.array_equal(np.diff(o), counts) or o[-1] != n:
@@ -86,6 +87,30 @@ def check_plan_structure(plan) -> None:
     if bool(plan.needs_merge) != bool((counts > 1).any()):
         bad(f"needs_merge={plan.needs_merge} but {'some' if (counts > 1).any() else 'no'} request has several chunks")
     _SOUND.add(plan)
+
+
+def _check_row_groups(plan, counts: np.ndarray, bad) -> int:
+    """The units of a plan with row groups (the chunks of each group's first
+    row), after checking ``group_last``: every row's group ends at or after
+    it and before the batch's end, groups are runs of consecutive rows of at
+    most MAX_Q_LEN, and a group's rows share one split (the kernel reads
+    every row's chunk count from the first)."""
+    from .page_table import MAX_Q_LEN
+
+    last = np.asarray(plan.group_last, dtype=np.int64)
+    B = int(plan.batch_size)
+    rows = np.arange(B)
+    if last.shape != (B,) or (last < rows).any() or (last >= B).any() or (last[last] != last).any() \
+            or (np.diff(last) < 0).any() or (last - rows >= MAX_Q_LEN).any():
+        bad(f"group_last is not runs of at most {MAX_Q_LEN} consecutive rows")
+    lead = np.ones(B, dtype=bool)
+    lead[1:] = last[1:] != last[:-1]
+    first = np.maximum.accumulate(np.where(lead, rows, 0))  # each row's group's first row
+    pages = np.asarray(plan.request_chunk_pages, dtype=np.int64)
+    if counts.shape != (B,) or pages.shape != (B,) or not (
+            np.array_equal(counts, counts[first]) and np.array_equal(pages, pages[first])):
+        bad("the rows of a row group do not share one split (request_chunks, request_chunk_pages)")
+    return int(counts[lead].sum())
 
 
 def plan_mismatch_reason(plan, table, limit: int = 3) -> str:
@@ -113,6 +138,13 @@ def plan_mismatch_reason(plan, table, limit: int = 3) -> str:
         return f"page size {plan.page_size} -> {page_size}"
     c = int(plan.pages_per_chunk)
     pages = np.asarray(table.request_pages, dtype=np.int64)
+    if getattr(plan, "group_last", None) is not None:
+        from .plan import _rows_form_groups
+
+        if not _rows_form_groups(table, plan.group_last):
+            return ("the plan's row groups are not runs of one request's consecutive query tokens in this "
+                    "table (a plan made with qo_indptr serves table.query_rows(qo_indptr))")
+        pages = pages[plan.group_last]
     chunks = np.maximum(1, -(-pages // c))
     old = np.asarray(plan.request_chunks, dtype=np.int64)
     changed = np.flatnonzero(chunks != old)

@@ -401,7 +401,8 @@ class _PlanLaunch(_launch.PartialLaunch):
     def __init__(self, plan: DecodePlan, dtype: str, table: PageTable, stream_ptr: int):
         pages = max(int(table.indptr[-1]), 1)
         super().__init__(dtype, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.heads_per_cta,
-                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4)
+                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4,
+                         "partial" if plan.group_last is None else "rows")
         self.plan_units = _launch.plan_units(plan)
         self.stream_ptr = stream_ptr
         self.checked_table = None  # weakref to the last table that matched

@@ -28,7 +28,7 @@ import numpy as np
 from . import _configs, _env, _validate, schedule
 from ._validate import positive_int
 from .errors import ArgumentTypeError, InvalidArgumentError, PlanMismatchError, ShapeError
-from .page_table import PageTable, kernel_table
+from .page_table import PageTable, kernel_table, qo_indptr_array, window_array
 
 __all__ = [
     "MAX_HEADS_PER_CTA",
@@ -437,9 +437,10 @@ class DecodePlan:
       them, longest first (ties in chunk order), so short requests fill the
       SMs beside a long one's chunks.
     * ``heads_groups = num_kv_heads * q_groups``: CTAs per chunk.
-    * ``num_ctas = num_chunks * heads_groups``.
-    * ``grid = (num_ctas, 1, 1)``: CTA ``x`` runs chunk
-      ``launch_order[x // heads_groups]`` for head group ``x % heads_groups``.
+    * ``num_ctas = num_units * heads_groups`` (:attr:`num_units`: the
+      chunks, or with row groups the chunks of each group's first row).
+    * ``grid = (num_ctas, 1, 1)``: CTA ``x`` runs unit ``x // heads_groups``
+      (the chunks in ``launch_order``) for head group ``x % heads_groups``.
     * ``needs_merge``: some request has more than one chunk.
     * ``workspace_bytes``: float32 partial outputs ``[num_chunks, Hq, D]`` plus
       partial LSEs ``[num_chunks, Hq]`` when ``needs_merge``, else 0.
@@ -451,9 +452,17 @@ class DecodePlan:
       :func:`deterministic_pages_per_chunk` (or was given explicitly) under
       ``plan_decode(..., deterministic=True)``: it depends on no other request
       of the batch. Optional when constructing (default False).
-    * ``request_chunk_pages``, ``launch_order``, ``heads_groups`` (above) are
-      optional when constructing: a uniform split of ``pages_per_chunk``
-      pages in chunk order.
+    * ``group_last``: None, or with several query tokens per request
+      (``plan_decode(..., qo_indptr=...)``; the table is
+      ``PageTable.query_rows``) an int32 ``[B]`` array: row ``r``'s row group
+      ends at row ``group_last[r]``. A group is up to
+      :func:`cupaged._configs.tokens_per_cta` consecutive tokens of one
+      request; its rows share the last row's split (``request_chunks``,
+      ``request_chunk_pages``), and one CTA per chunk reads the chunk's K/V
+      once for all of them (the kernel's ``paged_decode_rows``).
+    * ``request_chunk_pages``, ``launch_order``, ``heads_groups``,
+      ``group_last`` (above) are optional when constructing: a uniform split
+      of ``pages_per_chunk`` pages in chunk order, no row groups.
 
     Methods: :meth:`matches` (can this plan serve a new table?),
     :meth:`chunk_page_ranges` and :meth:`chunk_token_ranges` (each chunk's
@@ -506,6 +515,7 @@ class DecodePlan:
     request_chunk_pages: Any = dataclasses.field(default=None, repr=False)
     launch_order: Any = dataclasses.field(default=None, repr=False)
     heads_groups: int = 0
+    group_last: Any = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # optional when constructing: a uniform split in chunk order
@@ -518,6 +528,8 @@ class DecodePlan:
         for name in _ARRAY_FIELDS:
             object.__setattr__(self, name,
                                _readonly_int32(getattr(self, name), name))
+        if self.group_last is not None:
+            object.__setattr__(self, "group_last", _readonly_int32(self.group_last, "group_last"))
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
         object.__setattr__(self, "kv_dtype", self.dtype if self.kv_dtype is None
                            else canonical_kv_dtype(self.kv_dtype))
@@ -540,16 +552,29 @@ class DecodePlan:
         _validate.trust_plan(plan)  # consistent by construction: decode skips its structural check
         return plan
 
+    @property
+    def num_units(self) -> int:
+        """Work units the kernel runs (``num_ctas // heads_groups``): the
+        chunks, or with row groups the chunks of each group's first row."""
+        return self.num_ctas // self.heads_groups
+
     # -- reuse across decode steps -----------------------------------------
     def matches(self, table: Any) -> bool:
         """True when this plan can serve ``table``: same batch size and page
         size, and every request still has ``request_chunks[i]`` chunks at this
-        ``pages_per_chunk``.  Cheap and vectorized (one pass over ``B``)."""
+        ``pages_per_chunk``; with row groups, each group's rows are still
+        consecutive tokens of one request (:func:`_rows_form_groups`) and the
+        counts are its last row's.  Cheap and vectorized (one pass over
+        ``B``)."""
         if int(table.batch_size) != self.batch_size:
             return False
         if int(table.page_size) != self.page_size:
             return False
         pages = np.asarray(table.request_pages, dtype=np.int64)
+        if self.group_last is not None:
+            if not _rows_form_groups(table, self.group_last):
+                return False
+            pages = pages[self.group_last]
         counts = _chunks_per_request(pages, self.request_chunk_pages)
         return bool(np.array_equal(counts, self.request_chunks))
 
@@ -608,7 +633,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
                 head_dim: int, dtype: Any, *, kv_dtype: Any = None,
                 deterministic: bool = False, pages_per_chunk: int | None = None,
                 max_pages_per_chunk: int | None = None, target_ctas: int | None = None,
-                num_sms: int | None = None, window_left: Any = None, qo_indptr: Any = None) -> DecodePlan:
+                num_sms: int | None = None, window_left: Any = None, qo_indptr: Any = None,
+                group_tokens: bool = True) -> DecodePlan:
     """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
 
     One CTA per (chunk, KV head, q-head group); a chunk is at most
@@ -671,7 +697,10 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             as for :func:`cupaged.decode`): plans
             ``table.query_rows(qo_indptr)``, one row per query token (with a
             window, each row's own), the table ``decode(..., qo_indptr=...)``
-            runs on.
+            runs on. Without a window, a request's consecutive tokens form
+            row groups (``group_last``) that read each chunk's K/V once.
+        group_tokens: keyword-only (default True); False plans every query
+            row on its own (each reads its K/V), as with a window.
 
     Environment variables are read at call time; an empty value counts as
     unset.
@@ -739,18 +768,30 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if num_sms is not None:
         num_sms = positive_int(num_sms, "num_sms")
 
-    batch, page_size, pages = _plan_table(table, window_left, qo_indptr)
+    batch, page_size, pages, ptr = _plan_table(table, window_left, qo_indptr)
     group = hq // hkv
     hpc = _heads_per_cta(group)
     q_groups = group // hpc
     grid_y = hkv * q_groups
-    target, chunk_pages, req_chunks = _chunking(
-        pages, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk,
-        target_ctas, num_sms)
-    n = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
-    if n * grid_y > MAX_GRID_X:
+    group_last = _row_groups(ptr, dt, kv_dt, d, hpc) if ptr is not None and group_tokens else None
+    if group_last is not None:  # each group splits as its last row, planned once
+        lead = _group_leaders(group_last)
+        pages = pages[group_last]
+        target, chunk_pages, req_chunks = _chunking(
+            pages[lead], page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk,
+            max_pages_per_chunk, target_ctas, num_sms)
+        units = int(np.add.reduce(req_chunks))
+        of_group = np.cumsum(lead) - 1
+        chunk_pages, req_chunks = chunk_pages[of_group], req_chunks[of_group]
+        n = int(np.add.reduce(req_chunks))
+    else:
+        target, chunk_pages, req_chunks = _chunking(
+            pages, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk,
+            target_ctas, num_sms)
+        n = units = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
+    if units * grid_y > MAX_GRID_X:
         raise InvalidArgumentError(
-            f"{n} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
+            f"{units} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
             f"(grid x); raise pages_per_chunk")
     needs_merge = n > batch  # every request has at least one chunk
     longest_chunk = int(np.maximum.reduce(chunk_pages))
@@ -769,24 +810,32 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         "num_chunks": n,
         **_chunk_layout(pages, chunk_pages, req_chunks, n),
         "heads_groups": grid_y,
-        "num_ctas": n * grid_y,
-        "grid": (n * grid_y, 1, 1),
+        "num_ctas": units * grid_y,
+        "grid": (units * grid_y, 1, 1),
         "needs_merge": needs_merge,
         "workspace_bytes": (n * hq * d + n * hq) * 4 if needs_merge else 0,
         "kv_dtype": kv_dt,
         "deterministic": bool(deterministic),
+        "group_last": group_last,
     })
 
 
-def _plan_table(table: Any, window_left: Any, qo_indptr: Any) -> tuple[int, int, np.ndarray]:
-    """plan_decode's ``(batch, page_size, request pages)`` of ``table`` (of
-    ``kernel_table(table, qo_indptr, window_left)`` with either), checked: a
-    PageTable or any object with ``batch_size``, ``page_size`` and
-    ``request_pages`` (pages int32 as a PageTable's, else int64)."""
+def _plan_table(table: Any, window_left: Any,
+                qo_indptr: Any) -> tuple[int, int, np.ndarray, np.ndarray | None]:
+    """plan_decode's ``(batch, page_size, request pages, ptr)`` of ``table``
+    (of ``kernel_table(table, qo_indptr, window_left)`` with either),
+    checked: a PageTable or any object with ``batch_size``, ``page_size`` and
+    ``request_pages`` (pages int32 as a PageTable's, else int64). ``ptr``
+    is the checked int64 ``qo_indptr`` when its rows may form row groups
+    (some request has several tokens and there is no window), else None."""
+    ptr = None
     if window_left is not None or qo_indptr is not None:
         if not isinstance(table, PageTable):
             raise ArgumentTypeError(f"window_left and qo_indptr need a cupaged.PageTable, got {type(table).__name__}")
-        table = kernel_table(table, qo_indptr, window_left)
+        rows = kernel_table(table, qo_indptr, window_left)
+        if rows is not table and window_array(window_left, table.batch_size) is None:
+            ptr = qo_indptr_array(qo_indptr, table.batch_size, table.seq_lens)
+        table = rows
     try:
         batch, page_size, pages = table.batch_size, table.page_size, table.request_pages
     except AttributeError:
@@ -804,7 +853,55 @@ def _plan_table(table: Any, window_left: Any, qo_indptr: Any) -> tuple[int, int,
     if pages.shape != (batch,):
         raise InvalidArgumentError(
             f"table.request_pages must have shape ({batch},), got {pages.shape}")
-    return batch, int(page_size), pages
+    return batch, int(page_size), pages, ptr
+
+
+def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int) -> np.ndarray | None:
+    """``group_last`` of a plan of ``qo_indptr`` rows (int64 ``ptr``): each
+    request's tokens in groups of the kernel's tokens per CTA, or None when
+    it serves one token at a time (the CUDA-core core; a head_dim without
+    an instance, which runs the gather path)."""
+    variant = _configs.variant(_configs.dtype_name(dt), None if kv_dt == dt else _configs.FP8)
+    try:
+        core = _configs.choose_core(variant, d, _env.core())
+    except ValueError:
+        return None
+    tokens = _configs.tokens_per_cta(variant, hpc, core)
+    if tokens == 1:
+        return None
+    q_len = np.diff(ptr)
+    start = np.repeat(ptr[:-1], q_len)
+    j = np.arange(int(ptr[-1])) - start
+    last = start + np.minimum((j // tokens + 1) * tokens, np.repeat(q_len, q_len)) - 1
+    last = last.astype(np.int32)
+    last.setflags(write=False)
+    return last
+
+
+def _group_leaders(group_last: np.ndarray) -> np.ndarray:
+    """Whether each row starts its row group (bool ``[B]``)."""
+    lead = np.ones(group_last.shape[0], dtype=bool)
+    np.not_equal(group_last[1:], group_last[:-1], out=lead[1:])
+    return lead
+
+
+def _rows_form_groups(table: Any, group_last: np.ndarray) -> bool:
+    """Whether ``table``'s rows can be ``group_last``'s row groups: each row
+    after a group's first is the next token of the row before (one more
+    visible slot, the same first page offset, and that row's last page at
+    the same place in its own list), as :meth:`PageTable.query_rows` makes
+    them. (O(B): the kernel reads a group's pages from its last row.)"""
+    if not isinstance(table, PageTable) or group_last.shape[0] != table.batch_size:
+        return False
+    follow = np.flatnonzero(~_group_leaders(group_last))
+    if follow.size == 0:
+        return True
+    seq, off, pages = table.seq_lens, table.first_page_offset, table.request_pages
+    prev = follow - 1
+    if not (np.array_equal(seq[follow], seq[prev] + 1) and np.array_equal(off[follow], off[prev])):
+        return False
+    at = pages[prev].astype(np.int64) - 1  # the previous row's last page is this row's page there
+    return bool(np.array_equal(table.indices[table.indptr[prev] + at], table.indices[table.indptr[follow] + at]))
 
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,

@@ -177,6 +177,10 @@ class DecodeRunner:
                 plan = self._plan(table, knobs)
             else:
                 check_plan_for(plan, table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.variant)
+                if plan.group_last is not None:
+                    raise UnsupportedConfigError(
+                        "DecodeRunner takes plans without row groups: plan with "
+                        "plan_decode(..., qo_indptr=..., group_tokens=False), or let the runner plan")
                 if plan.num_chunks > self.max_units:
                     raise CapacityError(f"plan has {plan.num_chunks} chunks, the runner holds {self.max_units}")
             self._launch.load(plan, _launch.plan_units(plan), table)
@@ -278,7 +282,7 @@ class DecodeRunner:
             batch = table.batch_size
             launch = _check_append(k_new[:batch], v_new[:batch], k_cache, v_cache, table, None, kv_layout,
                                    k_scale, v_scale)
-            base, (_, indptr, last, first, indices) = self._launch.image.data.ptr, self._launch.offsets
+            base, (_, indptr, last, first, _, indices) = self._launch.image.data.ptr, self._launch.offsets
             pointers = tuple(np.uint64(base + 4 * off) for off in (indices, indptr, last, first))
             _launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch,
                            (pointers, base + 4 * _launch.HEADER_BATCH, rows))

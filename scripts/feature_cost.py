@@ -10,7 +10,9 @@ a held default plan under CUDA-graph replay (cupaged.testing.GraphTimer, 20
 calls a graph) for: no feature, ``sinks=`` (float32 [32]), and
 ``window_left=W`` for W = ctx/8 and ctx/2 (each with its own
 ``plan_decode(window_left=W)`` plan) and ``qo_indptr`` with each ``--qlen``
-tokens per request (a q of batch x q_len rows, its own plan). The variants
+tokens per request (a q of batch x q_len rows, its own plan), planned with
+row groups ("q_len N": a request's tokens share each K/V read) and one row
+per token ("q_len N rows", ``group_tokens=False``). The variants
 take turns over
 ``--rounds`` rounds; the table gives each one's median µs, the spread of
 its rounds ((max - min) / median), its ratio to the plain call and, for windows, the ratio (W + page) / ctx it should approach.
@@ -57,11 +59,14 @@ def main(argv=None) -> int:
         for w in (ctx // 8, ctx // 2):
             variants[f"window {w}"] = ({"window_left": w}, w)
         for q_len in args.qlen:
-            variants[f"q_len {q_len}"] = ({"qo_indptr": np.arange(batch + 1, dtype=np.int32) * q_len}, None)
+            ptr = np.arange(batch + 1, dtype=np.int32) * q_len
+            variants[f"q_len {q_len}"] = ({"qo_indptr": ptr}, None)
+            variants[f"q_len {q_len} rows"] = ({"qo_indptr": ptr}, None)  # group_tokens=False
         timers = {}
         for name, (kw, w) in variants.items():
             ptr = kw.get("qo_indptr")
-            plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w, qo_indptr=ptr)
+            plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w, qo_indptr=ptr,
+                                       group_tokens=not name.endswith(" rows"))
             q = b.q if ptr is None else cupy.repeat(b.q, int(ptr[1]), axis=0)
             o = out if ptr is None else cupy.empty_like(q)
             timers[name] = GraphTimer(lambda plan=plan, kw=kw, b=b, q=q, o=o: cupaged.decode(

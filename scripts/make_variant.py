@@ -131,7 +131,7 @@ _PERMUTED = [
 _BULK_BUDGET_OLD = "  static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;\n"
 _BULK_BUDGET_NEW = ("  static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4 - MMA_MAX_STAGES * MMA_WARPS * 8;"
                     "  // variant bulk_rows: + mbarriers\n")
-_BULK_SCRATCH_OLD = """template <typename T, typename KV, int HEAD_DIM, int HEADS>
+_BULK_SCRATCH_OLD = """template <typename T, typename KV, int HEAD_DIM, int ROWS>
 struct MmaScratch {
   using L = MmaLayout<KV, HEAD_DIM>;
   int page_ids[PAGE_WINDOW];
@@ -150,7 +150,7 @@ __device__ __forceinline__ void bulk_row(void* smem, const void* gmem, int bytes
                  :: "r"(dst), "l"(gmem), "r"(bytes), "r"(bar) : "memory");
 }
 
-template <typename T, typename KV, int HEAD_DIM, int HEADS>
+template <typename T, typename KV, int HEAD_DIM, int ROWS>
 struct MmaScratch {
   using L = MmaLayout<KV, HEAD_DIM>;
   int page_ids[PAGE_WINDOW];

@@ -13,6 +13,7 @@ slot no request can see and in ``out``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -108,6 +109,70 @@ def test_rows_cache_identity_errors_and_plans():
     assert windowed.matches(rows.windowed(4)) and windowed.request_chunks.tolist() == [1, 1, 1, 1, 1, 1]
 
 
+def test_row_groups_plan_image_and_checks(monkeypatch):
+    """A plan of several query tokens per request groups each request's
+    consecutive tokens (16-bit KV: 16 / heads_per_cta per CTA; fp8: 8 /
+    heads_per_cta; the CUDA-core core one), gives a group's rows its last
+    row's split, launches units for a group's first row only, and its
+    structure and tables are checked."""
+    from cupaged import _launch, _validate
+
+    monkeypatch.delenv("CUPAGED_CORE", raising=False)
+    table = cupaged.PageTable.from_seq_lens([300, 5, 40, 90], page_size=16, first_page_offset=[3, 0, 9, 0])
+    ptr = np.array([0, 6, 7, 9, 19])  # q_len 6, 1, 2, 10
+    rows = table.query_rows(ptr)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=2)
+    assert plan.heads_per_cta == 4  # 4 tokens per CTA
+    want = [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
+    assert plan.group_last.tolist() == want and not plan.group_last.flags.writeable
+    last = np.array(want)
+    group_pages = rows.request_pages[last]
+    np.testing.assert_array_equal(plan.request_chunks, -(-group_pages // 2))  # each row: its group's split
+    lead = np.r_[True, last[1:] != last[:-1]]
+    assert plan.num_units == int(plan.request_chunks[lead].sum()) < plan.num_chunks
+    assert plan.grid == (plan.num_units * plan.heads_groups, 1, 1) and plan.matches(rows)
+    _validate.check_plan_structure(plan)  # (trusted: made by plan_decode) and a copy made by hand
+    _validate.check_plan_structure(dataclasses.replace(plan))
+    units = _launch.plan_units(plan)
+    assert units.shape == (plan.num_units, 4) and lead[units[:, 0]].all()
+    assert sorted(units[:, 1].tolist()) == sorted(np.flatnonzero(lead[plan.chunk_request]).tolist())
+    image = np.zeros(_launch.image_capacity(19, plan.num_chunks, int(rows.indptr[-1])), np.int32)
+    offsets = _launch.image_offsets(19, plan.num_chunks)
+    _launch.write_image(image, offsets, units, plan, rows)
+    assert image[7] == offsets[4] and (image[offsets[4]:offsets[4] + 19][lead] == (last - np.arange(19) + 1)[lead]).all()
+
+    # another table (a row on other pages than its group's last row, or not the next token) is refused
+    indices = rows.indices.copy()
+    indices[rows.indptr[5] - 1] += 1  # row 4's last page (row 5, the end of its group, has another there)
+    other = cupaged.PageTable(indices, rows.indptr, rows.last_page_len, rows.first_page_offset, page_size=16)
+    assert not plan.matches(other)
+    shifted = cupaged.PageTable.from_seq_lens(rows.seq_lens + (np.arange(19) == 4), 16,
+                                              first_page_offset=rows.first_page_offset)
+    assert not plan.matches(shifted)
+    with pytest.raises(cupaged.PlanMismatchError, match="consecutive query tokens"):
+        plan.chunk_page_ranges(shifted)
+    for bad in (np.arange(19), np.r_[want[:-1], 17], np.minimum(np.arange(19) + 20, 18)):
+        with pytest.raises(cupaged.PlanMismatchError):
+            _validate.check_plan_structure(dataclasses.replace(plan, group_last=bad))
+    counts = plan.request_chunks.copy()
+    counts[1] += 1  # one row of a group split otherwise
+    with pytest.raises(cupaged.PlanMismatchError, match="one split"):
+        _validate.check_plan_structure(dataclasses.replace(plan, request_chunks=counts))
+
+    # tokens per CTA by kernel; no groups with a window, group_tokens=False, or the CUDA-core core
+    fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, kv_dtype=np.uint8)
+    assert fp8.group_last.tolist()[:6] == [1, 1, 3, 3, 5, 5]
+    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, qo_indptr=ptr)  # one head per CTA: 16 tokens
+    assert mha.group_last.tolist() == [5] * 6 + [6, 8, 8] + [18] * 10
+    for p in (cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, window_left=50),
+              cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=False),
+              cupaged.plan_decode(table, 32, 8, 128, np.float32, qo_indptr=ptr),
+              cupaged.plan_decode(table, 32, 8, 128, np.float16)):
+        assert p.group_last is None and p.num_units == p.num_chunks
+    monkeypatch.setenv("CUPAGED_CORE", "simt")
+    assert cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr).group_last is None
+
+
 def test_hot_path_argument_test_compares_arrays_by_identity():
     """decode's hot path compares its keyword arguments with the recorded
     call's: numbers by value, arrays by identity (never elementwise: a new
@@ -155,6 +220,40 @@ def test_multi_token_matches_reference(dtype, kv):
         cupaged.select_method(b.q, b.k, b.v, b.table)
     with pytest.raises(cupaged.PlanMismatchError):  # a plan of the request table, a multi-token call
         cupaged.decode(b.q, b.k, b.v, b.table, b.plan(), qo_indptr=ptr, **b.dev_kw)
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,dtype,kv", [
+    (32, 8, 128, F16, "same"),    # 4 heads per CTA: 4 tokens per CTA
+    (8, 8, 64, BF16, "same"),     # one head per CTA: 16 tokens
+    (64, 8, 128, F16, "same"),    # 8 heads per CTA: 2 tokens
+    (28, 4, 96, BF16, "same"),    # 7 heads per CTA: 2 tokens, rows 14 and 15 padding
+    (32, 8, 128, F16, "fp8"),     # fp8: 8 columns, 2 tokens
+    (16, 8, 64, BF16, "fp8"),     # fp8, 2 heads per CTA: 4 tokens
+], ids=str)
+def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
+    """Plans with row groups (a request's tokens as extra MMA rows, each with
+    its own causal end) against the float64 reference and against the same
+    call planned one row per token: merged (one page per chunk) and not,
+    with sinks, and on the CUDA-core core (the env pinned after planning: the
+    rows kernel then serves a group one token at a time)."""
+    cp = _cp()
+    b = make_batch(310, [*RAGGED_LENS, 3000, 17], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                   kv_dtype=FP8 if kv == "fp8" else None, scale_mode="head" if kv == "fp8" else "none")
+    ptr = _multi(b, 311)
+    sinks = np.random.default_rng(312).uniform(-1, 3, hq).astype(np.float32)
+    want = b.reference(qo_indptr=ptr)
+    want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
+    for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 3}):
+        plan = b.plan(qo_indptr=ptr, **knobs)
+        assert plan.group_last is not None and plan.num_units < plan.num_chunks
+        check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
+        check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), want_sinks, dtype)
+        check(run("v2", b, b.plan(qo_indptr=ptr, group_tokens=False, **knobs), qo_indptr=ptr), want, dtype)
+    if kv == "same":
+        plan = b.plan(qo_indptr=ptr, pages_per_chunk=2)
+        monkeypatch.setenv("CUPAGED_CORE", "simt")
+        check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
 
 
 @gpu
