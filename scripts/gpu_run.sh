@@ -3,9 +3,9 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants
+#        ncu_sectors variants spec
 # (default: tests sanitize bench)
-# (carry .peer for bench/issue5/ragged_bench/ncu_compare, .nbpeer for notebook, .ab for ab and the
+# (carry .peer for bench/issue5/ragged_bench/ncu_compare/spec, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
 #  keep one call under 10 minutes)
 set -uo pipefail
@@ -44,6 +44,8 @@ steps:
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
+  spec        speculative-decode shapes (q_len 2-8) against FlashInfer's paged prefill
+              (spec_bench.py; env SPEC_ARGS adds options, e.g. "--backends fa2")
   roofline    HBM read roofline: 8 GB read with int4 loads and with
               cp.async.bulk into an mbarrier ring (roofline.py)
   ncu_compare Nsight Compute of v2 and of FlashInfer's tensor-core and CUDA-core
@@ -108,6 +110,7 @@ for s in $steps; do case $s in
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
+  spec) run spec_bench 330 "$peer python3 scripts/spec_bench.py ${SPEC_ARGS:-} --csv $work/spec.csv --md $work/spec.md" ;;
   features2) run feature_cost 220 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
   ncu_compare)  # v2's partial kernel and FlashInfer's two decode kernels on 128 x 16384 (carry .peer), one profile each
