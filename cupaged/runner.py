@@ -84,6 +84,12 @@ class DecodeRunner:
             128``). A plan with more is re-planned with the smallest larger
             chunk cap that fits. A graph captured by :meth:`run` launches
             ``max_units * heads_groups`` CTAs.
+        group_tokens: False (default) or True: the runner launches the
+            kernel of row groups, so that a step of several query tokens per
+            request (``plan(table, qo_indptr=...)``, no window) reads each
+            chunk's K/V once for a request's tokens, as ``decode`` does. The
+            kernel is part of a captured graph, so it is chosen here; steps
+            of one token each then cost a little more.
 
     Example (needs a GPU)::
 
@@ -99,7 +105,8 @@ class DecodeRunner:
     """
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype, *, page_size: int,
-                 max_batch: int, max_pages: int, kv_dtype=None, max_units: int | None = None):
+                 max_batch: int, max_pages: int, kv_dtype=None, max_units: int | None = None,
+                 group_tokens: bool = False):
         require_gpu("cupaged.DecodeRunner")
         import cupy
 
@@ -122,9 +129,13 @@ class DecodeRunner:
             raise UnsupportedConfigError(f"DecodeRunner: {e}") from None
         self.device = cupy.cuda.runtime.getDevice()
         self.stream = cupy.cuda.get_current_stream()
+        if not isinstance(group_tokens, (bool, np.bool_)):
+            raise InvalidArgumentError(f"group_tokens must be True or False, got {group_tokens!r}")
+        self.group_tokens = bool(group_tokens)
         self._launch = _launch.PartialLaunch(self.variant, num_qo_heads, num_kv_heads, head_dim,
                                              heads_per_cta(num_qo_heads // num_kv_heads), probe.page_size,
-                                             self.max_batch, self.max_units, self.max_pages)
+                                             self.max_batch, self.max_units, self.max_pages,
+                                             "rows" if self.group_tokens else "partial")
         self._lock = threading.RLock()
         self._is_capturing = cupy.cuda.runtime.streamIsCapturing
         self._num_pages = None  # the caches' page count seen by run(): later tables are checked against it
@@ -158,6 +169,7 @@ class DecodeRunner:
         plan_decode's errors."""
         if not isinstance(table, PageTable):
             raise ArgumentTypeError(f"table must be a cupaged.PageTable, got {type(table).__name__}")
+        step = (table, window_left, qo_indptr)  # what plan_decode plans (row groups need qo_indptr)
         table = kernel_table(table, qo_indptr, window_left)
         with self._lock:
             self._check_device("plan")
@@ -174,12 +186,12 @@ class DecodeRunner:
             if self._num_pages is not None:
                 table.check_page_ids(self._num_pages)
             if plan is None:
-                plan = self._plan(table, knobs)
+                plan = self._plan(step, knobs)
             else:
                 check_plan_for(plan, table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.variant)
-                if plan.group_last is not None:
+                if plan.group_last is not None and not self.group_tokens:
                     raise UnsupportedConfigError(
-                        "DecodeRunner takes plans without row groups: plan with "
+                        "a plan with row groups needs DecodeRunner(..., group_tokens=True); or plan with "
                         "plan_decode(..., qo_indptr=..., group_tokens=False), or let the runner plan")
                 if plan.num_chunks > self.max_units:
                     raise CapacityError(f"plan has {plan.num_chunks} chunks, the runner holds {self.max_units}")
@@ -187,13 +199,19 @@ class DecodeRunner:
             self.current_plan, self.current_table = plan, table
             return plan
 
-    def _plan(self, table: PageTable, knobs: dict) -> DecodePlan:
+    def _plan(self, step: tuple, knobs: dict) -> DecodePlan:
+        """plan_decode of the step ``(table, window_left, qo_indptr)`` (row
+        groups with ``group_tokens``) within ``max_units`` chunks."""
+        table, window_left, qo_indptr = step
         args = (table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype)
-        plan = plan_decode(*args, kv_dtype=self.kv_dtype, **knobs)
+        kw = dict(kv_dtype=self.kv_dtype, window_left=window_left, qo_indptr=qo_indptr,
+                  group_tokens=self.group_tokens, **knobs)
+        plan = plan_decode(*args, **kw)
         if plan.num_chunks > self.max_units:  # fewer, longer chunks: the smallest cap that fits
-            knobs = {k: v for k, v in knobs.items() if k not in ("pages_per_chunk", "max_pages_per_chunk")}
-            cap = cap_for_units(table.request_pages, self.max_units)
-            plan = plan_decode(*args, kv_dtype=self.kv_dtype, max_pages_per_chunk=cap, **knobs)
+            kw = {k: v for k, v in kw.items() if k not in ("pages_per_chunk", "max_pages_per_chunk")}
+            pages = kernel_table(table, qo_indptr, window_left).request_pages
+            cap = cap_for_units(pages if plan.group_last is None else pages[plan.group_last], self.max_units)
+            plan = plan_decode(*args, max_pages_per_chunk=cap, **kw)
         return plan
 
     # ------------------------------------------------------------------- run

@@ -15,7 +15,8 @@ the float64 reference (cupaged.reference.decode on host copies).
 With ``--draft N`` each step is a draft/verify step of speculative decoding:
 every request appends N + 1 tokens (here all accepted) and the layers decode
 all of them, causal among themselves (``qo_indptr``: the runner plans one
-row per query token, and its append_kv writes each token at its slot).
+row per query token, a request's rows in row groups that read each chunk's
+K/V once, and its append_kv writes each token at its slot).
 
     python3 examples/serving_loop.py --steps 200 --layers 32
     python3 examples/serving_loop.py --steps 100 --draft 3
@@ -73,7 +74,8 @@ class Server:
         self.v_new = cupy.zeros((args.layers, B, HKV, D), dtype=cupy.float16)
         self.out = cupy.zeros((args.layers, B, HQ, D), dtype=cupy.float16)
         self.runner = cupaged.DecodeRunner(HQ, HKV, D, np.float16, page_size=P, max_batch=B,
-                                           max_pages=args.num_pages * (args.draft + 1))  # (a row per query token)
+                                           max_pages=args.num_pages * (args.draft + 1),  # (a row per query token)
+                                           group_tokens=args.draft > 0)
         self.graph = None
         self.captures = 0
 

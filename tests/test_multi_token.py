@@ -280,7 +280,8 @@ def test_sixteen_tokens_windows_sinks_hnd_soft_cap():
 
 
 @gpu
-def test_runner_appends_and_decodes_query_rows_in_a_graph():
+@pytest.mark.parametrize("group_tokens", [False, True])
+def test_runner_appends_and_decodes_query_rows_in_a_graph(group_tokens):
     """A draft/verify step through the runner: plan(table, qo_indptr=), then
     append_kv writes each query token's K/V at its slot and run decodes
     every token; a graph captured at the first step replays the later ones."""
@@ -298,7 +299,8 @@ def test_runner_appends_and_decodes_query_rows_in_a_graph():
     out = cp.zeros_like(q)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        runner = cupaged.DecodeRunner(hq, hkv, d, np.float16, page_size=P, max_batch=rows_max, max_pages=2000)
+        runner = cupaged.DecodeRunner(hq, hkv, d, np.float16, page_size=P, max_batch=rows_max, max_pages=2000,
+                                      group_tokens=group_tokens)
         runner.plan(table0, qo_indptr=[0, 4, 5, 9])
         stream.begin_capture()
         runner.append_kv(kn, vn, k_d, v_d)
@@ -309,7 +311,8 @@ def test_runner_appends_and_decodes_query_rows_in_a_graph():
             qh = make_query(rng, n, hq, d, np.float16)
             knh, vnh = make_query(rng, n, hkv, d, np.float16), make_query(rng, n, hkv, d, np.float16)
             q[:n], kn[:n], vn[:n] = cp.asarray(qh), cp.asarray(knh), cp.asarray(vnh)
-            runner.plan(table0, qo_indptr=ptr)
+            plan = runner.plan(table0, qo_indptr=ptr)
+            assert (plan.group_last is not None) == (group_tokens and ptr != [0, 1, 2, 3])
             graph.launch(stream)
             stream.synchronize()
             rows = table0.query_rows(ptr)
