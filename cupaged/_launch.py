@@ -224,10 +224,13 @@ class PartialLaunch:
         p.final_lse = None if lse is None else lse.data.ptr
 
     def set_scores(self, scores) -> None:
+        """The score fields of ``scores`` (a ScoreArgs); :attr:`scores` is
+        ``scores`` afterwards (decode's hot path compares by identity)."""
         last = self.scores
         if (last is not None and last.scale == scores.scale and last.soft_cap == scores.soft_cap
                 and last.v_scale == scores.v_scale and last.k_head_scale is scores.k_head_scale
                 and last.v_head_scale is scores.v_head_scale and last.sinks is scores.sinks):
+            self.scores = scores  # the same values
             return
         p = self.params
         p.scale, p.soft_cap, p.v_scale = scores.scale, scores.soft_cap, scores.v_scale

@@ -188,7 +188,9 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             With a held plan, a v2 call like the previous one (same table
             object, shapes, strides, dtypes, device, stream, method, sm_scale,
             soft cap, k/v scales and layout) skips the input checks and only
-            swaps pointers.
+            swaps pointers; so does one like an earlier call with other
+            ``k_scale``/``v_scale``/``sinks`` objects (a model's per-layer
+            scale or sink arrays: the plan keeps a record per such triple).
         method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides; else v2),
             ``"v2"`` (split-KV, merge fused), ``"v1"`` (one CTA per request
             and query head) or ``"gather"`` (CuPy + cuBLAS). The kernels
@@ -300,6 +302,9 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         if states is not None:
             state = states.last
             hot = state.hot
+            if hot is not None and (k_scale is not hot.k_scale or v_scale is not hot.v_scale
+                                    or sinks is not hot.sinks):  # another layer's scales or sinks
+                hot = state.hots.get((id(k_scale), id(v_scale), id(sinks)))
             if hot is not None:
                 res = hot.launch(state, q, k_cache, v_cache, table, method,
                                  (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
@@ -384,13 +389,16 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
                         and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray and qo_indptr is None
                         and (window_left is None or type(window_left) is int))
-            state.hot = _HotCall(q, raw_k, raw_v, raw_table, method, (
+            state.record(_HotCall(q, raw_k, raw_v, raw_table, method, (
                 sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
-                out) if eligible else None
+                out, scores) if eligible else None)
     return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------- launches
+MAX_HOT_RECORDS = 256  # hot-path records per launch state: a model's layers of distinct scale arrays
+
+
 class _PlanLaunch(_launch.PartialLaunch):
     """decode()'s launch state of one plan on one device and stream: a
     :class:`~cupaged._launch.PartialLaunch` sized for the plan (its page
@@ -407,7 +415,24 @@ class _PlanLaunch(_launch.PartialLaunch):
         self.stream_ptr = stream_ptr
         self.checked_table = None  # weakref to the last table that matched
         self.hot = None  # _HotCall of the last v2 launch, when it may be repeated unchecked
+        # records by the identities of their k_scale, v_scale and sinks (one per layer of a
+        # model with per-layer scale or sink arrays); all of one geometry, the parameters' strides
+        self.hots: dict[tuple, _HotCall] = {}
         self.signature = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, dtype)
+
+    def record(self, hot: "_HotCall | None") -> None:
+        """Makes ``hot`` (None: no record) the record of the last call; the
+        records of other scales stay while they share its geometry (the
+        strides the parameters now hold), at most MAX_HOT_RECORDS of them."""
+        last = self.hot
+        self.hot = hot
+        if hot is None or last is None or hot.geometry != last.geometry:
+            self.hots.clear()
+        if hot is not None:
+            hots = self.hots
+            hots[(id(hot.k_scale), id(hot.v_scale), id(hot.sinks))] = hot
+            if len(hots) > MAX_HOT_RECORDS:
+                del hots[next(iter(hots))]  # the oldest
 
     def load_table(self, plan: DecodePlan, table: PageTable) -> None:
         pages = int(table.indptr[-1])
@@ -498,10 +523,11 @@ class _HotCall:
     scripts/host_profile.py; each comparison is one tuple comparison, as
     every Python operation here costs ~50 ns of the ~8 us budget."""
 
-    def __init__(self, q, k, v, table, method: str, args: tuple, out):
+    def __init__(self, q, k, v, table, method: str, args: tuple, out, scores):
         import cupy
 
-        self.table, self.method, self.args = table, method, args
+        self.table, self.method, self.args, self.scores = table, method, args, scores
+        self.k_scale, self.v_scale, self.sinks = args[2], args[3], args[5]  # (keys of _PlanLaunch.hots)
         self.env = _env_method_raw() if method == "auto" else _NO_ENV
         self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
         self.get_device, self.get_stream = cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
@@ -510,6 +536,7 @@ class _HotCall:
         self.meta = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
                      q.shape, out.strides, q.dtype)
         self.devices = (device, device, device, device, device)
+        self.geometry = (self.meta, args[4])  # shapes, strides and layout: the parameters' strides
         rows = q.shape[:2]
         self.lse_meta = (rows, np.dtype(np.float32), (4 * rows[1], 4), device)
 
@@ -544,6 +571,8 @@ class _HotCall:
         elif return_lse:
             lse = self.empty(self.lse_meta[0], dtype=self.float32)
         with state.lock:
+            if state.scores is not self.scores:  # another layer's record: its scales and sinks
+                state.set_scores(self.scores)
             state.launch_pointers(qa, ka, va, op.ptr, None if lse is None else lse.data.ptr, stream)
         return (out, lse) if return_lse else out
 

@@ -212,10 +212,13 @@ def test_lse_buffer_is_written_and_returned(method, monkeypatch):
 @pytest.mark.parametrize("num_kv_heads", [8, 1])
 def test_per_layer_scale_and_sink_arrays_with_one_plan(num_kv_heads, monkeypatch):
     """Per layer its own k/v scale and sink arrays, one held plan (an fp8
-    gpt-oss step): each new array object takes the checked path (compared
-    by identity, never elementwise: a several-element ``==`` raised before,
-    and a one-element one of equal values let the recorded array's pointer
-    through) and gives that layer's answer."""
+    gpt-oss step): each new array object takes the checked path once
+    (compared by identity, never elementwise: a several-element ``==``
+    raised before, and a one-element one of equal values let the recorded
+    array's pointer through) and gives that layer's answer; the plan keeps a
+    record per layer's arrays, so the next step's layers are hot and each
+    launches with its own scales and sinks (a stale pointer fails the
+    reference check). A call with other strides drops the records."""
     cp = _cp()
     rng = np.random.default_rng(76)
     dev, table, host = batch(77, [300, 41, 1700], mid_page=True)
@@ -234,8 +237,23 @@ def test_per_layer_scale_and_sink_arrays_with_one_plan(num_kv_heads, monkeypatch
             got = _decode(q, k, v, table, plan, k_scale=scale_d, v_scale=scale_d, sinks=sinks_d)
             check_close(*got, *reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks),
                         F16)
-    assert counts == {"checked": 6, "hot": 0}
-    del layers[0]  # a freed array's pointer must not be launched again
+    assert counts == {"checked": 3, "hot": 3}
+    assert len(_buffers(plan).hots) == 3
+    del layers[0]  # (its record keeps the arrays alive: their pointers stay valid)
     for scale, sinks, scale_d, sinks_d in layers * 2:
         got = _decode(q, k, v, table, plan, k_scale=scale_d, v_scale=scale_d, sinks=sinks_d)
         check_close(*got, *reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks), F16)
+    assert counts == {"checked": 3, "hot": 7}
+    # out of other strides: checked, and the other layers' records (of the old strides) dropped
+    scale, sinks, scale_d, sinks_d = layers[0]
+    wide = cp.full((3, 40, 128), np.nan, dtype=cp.float16)
+    want = reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks)
+    for _ in range(2):
+        res, lse = cupaged.decode(q, k, v, table, plan, out=wide[:, 4:36], return_lse=True, k_scale=scale_d,
+                                  v_scale=scale_d, sinks=sinks_d)
+        check_close(res.get().astype(np.float64), lse.get().astype(np.float64), *want, F16)
+    assert counts == {"checked": 4, "hot": 8} and len(_buffers(plan).hots) == 1
+    scale, sinks, scale_d, sinks_d = layers[1]
+    got = _decode(q, k, v, table, plan, k_scale=scale_d, v_scale=scale_d, sinks=sinks_d)
+    check_close(*got, *reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks), F16)
+    assert counts == {"checked": 5, "hot": 8}
