@@ -292,7 +292,7 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None
     fp16, bf16, fp8 with per-tensor and per-head scales, soft cap, HND,
     return_lse (allocating the LSE, and into a given ``lse``), sinks and a
     sliding window (issue 18), fp8 per-head scales with a new array per layer
-    (a model's layers; today the checked path), 4 query tokens per request
+    (a model's layers; the plan keeps a hot record per layer), 4 query tokens per request
     (``qo_indptr``; the checked path), and ``DecodeRunner.run`` (checked every call;
     no graph), first on the legacy default stream, then on a non-blocking one. The paths take
     turns, ``rounds`` rounds of ``calls / rounds`` calls each, so that a slow
