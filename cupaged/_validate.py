@@ -175,12 +175,19 @@ def check_device_table(table: PageTable, num_pages: int) -> None:
     Raises :class:`~cupaged.errors.PageTableError` whose message starts with
     ``"table.device()"`` and names the request and the rule.
     """
-    import cupy
-
     table.validate()
     table.check_page_ids(num_pages)
     dev = table.device()
     host = (table.indices, table.indptr, table.last_page_len, table.first_page_offset)
+    _check_device_arrays(dev, host)
+    found, arrays = _device_verdicts(table, dev, host, num_pages)
+    _raise_first(table, num_pages, found, arrays, dev, host)
+
+
+def _check_device_arrays(dev, host) -> None:
+    """Each device array is a contiguous 1-D int32 CuPy array of its host array's shape."""
+    import cupy
+
     for name, d, h in zip(DeviceTable._fields, dev, host):
         if not isinstance(d, cupy.ndarray) or d.dtype != np.int32 or d.ndim != 1 or not d.flags.c_contiguous:
             raise PageTableError(
@@ -191,12 +198,17 @@ def check_device_table(table: PageTable, num_pages: int) -> None:
             raise PageTableError(
                 f"table.device().{name} must have the host table's shape {h.shape}, got {d.shape}"
             )
-    B, P = table.batch_size, table.page_size
-    indices, indptr, last, off = (a.astype(cupy.int64) for a in dev)
+
+
+def _device_verdicts(table: PageTable, dev, host, num_pages: int) -> tuple[dict, tuple]:
+    """``({rule: first index that breaks it, or -1}, (indices, indptr, last,
+    off) as int64 device arrays)``: every rule's mask on the device, one sync."""
+    import cupy
+
+    P = table.page_size
+    indices, indptr, last, off = arrays = tuple(a.astype(cupy.int64) for a in dev)
     pages = indptr[1:] - indptr[:-1]
     has = pages > 0
-
-    # (name, device mask); verdict = index of its first True, or -1.
     masks = [
         ("indptr_first", indptr[:1] != 0),
         ("indptr_decreasing", pages < 0),
@@ -212,7 +224,13 @@ def check_device_table(table: PageTable, num_pages: int) -> None:
         masks.append((f"differs_{name}", d != cupy.asarray(h)))
     firsts = [cupy.where(m.any(), m.argmax(), -1) for _, m in masks if m.size]
     verdict = iter(cupy.stack(firsts).get().tolist() if firsts else [])  # the one sync
-    found = {name: (next(verdict) if m.size else -1) for name, m in masks}
+    return {name: (next(verdict) if m.size else -1) for name, m in masks}, arrays
+
+
+def _raise_first(table: PageTable, num_pages: int, found: dict, arrays: tuple, dev, host) -> None:
+    """Raises the PageTableError of the first rule ``found`` broken (none: returns)."""
+    indices, indptr, last, off = arrays
+    B, P = table.batch_size, table.page_size
 
     def value(a, i: int) -> int:
         return int(a[i : i + 1].get()[0])

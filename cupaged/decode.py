@@ -357,42 +357,54 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
     elif selection.method == "v1":
         _launch_v1(q, k_cache, v_cache, table, dtype, scores, out, lse)
     else:
-        held = plan is not None  # only a caller's plan is worth a _HotCall record
-        if plan is None:
-            check_core(dtype, head_dim)
-            plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype,
-                               kv_dtype=None if k_cache.dtype == q.dtype else _configs.FP8)
-            state = plan_state(plan, dtype, table)
-        else:
-            states = plan_states(plan)
-            state = None if states is None else states.last
-            if state is None or state.checked_table is None or state.checked_table() is not table:
-                check_plan(plan, table, q, k_cache, dtype)
-                if state is None:
-                    check_core(dtype, head_dim)
-            elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != state.signature:
-                check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
-            state = plan_state(plan, dtype, table)
-        with state.lock:
-            if table is not state.table:
-                state.load_table(plan, table)
-            state.checked_table = weakref.ref(table)
-            state.set_arrays(q, k_cache, v_cache, out, lse)
-            state.set_scores(scores)
-            state.launch(state.units)
-            # The next call with these shapes, strides, dtypes, device, stream
-            # and arguments may skip the checks above (_HotCall); any other v2
-            # call with this plan rewrites the fields, so it drops or replaces
-            # the record.
-            # (host arrays that shape the table, a window per request or a
-            # qo_indptr, could change in place under the same object: not recorded)
-            eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
-                        and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray and qo_indptr is None
-                        and (window_left is None or type(window_left) is int))
-            state.record(_HotCall(q, raw_k, raw_v, raw_table, method, (
-                sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
-                out, scores) if eligible else None)
+        _decode_v2(q, k_cache, v_cache, table, plan, dtype, scores, out, lse, (raw_k, raw_v, raw_table, method, (
+            sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr)))
     return (out, lse) if return_lse else out
+
+
+def _decode_v2(q, k_cache, v_cache, table, plan, dtype: str, scores, out, lse, call: tuple) -> None:
+    """decode's v2 launch, its inputs checked: plans the call when ``plan``
+    is None, else checks the plan against the table once per table, loads
+    the table into the plan's launch state and launches; with a held plan
+    the call is recorded for the hot path. ``call``: (k and v as passed,
+    the table as passed, the method, decode's keyword arguments)."""
+    import cupy
+
+    raw_k, raw_v, raw_table, method, args = call
+    head_dim = q.shape[-1]
+    held = plan is not None  # only a caller's plan is worth a _HotCall record
+    if plan is None:
+        check_core(dtype, head_dim)
+        plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype,
+                           kv_dtype=None if k_cache.dtype == q.dtype else _configs.FP8)
+        state = plan_state(plan, dtype, table)
+    else:
+        states = plan_states(plan)
+        state = None if states is None else states.last
+        if state is None or state.checked_table is None or state.checked_table() is not table:
+            check_plan(plan, table, q, k_cache, dtype)
+            if state is None:
+                check_core(dtype, head_dim)
+        elif (q.shape[1], k_cache.shape[2], head_dim, dtype) != state.signature:
+            check_plan(plan, table, q, k_cache, dtype)  # raises: same table, other shapes
+        state = plan_state(plan, dtype, table)
+    with state.lock:
+        if table is not state.table:
+            state.load_table(plan, table)
+        state.checked_table = weakref.ref(table)
+        state.set_arrays(q, k_cache, v_cache, out, lse)
+        state.set_scores(scores)
+        state.launch(state.units)
+        # The next call with these shapes, strides, dtypes, device, stream and
+        # arguments may skip decode's checks (_HotCall); any other v2 call with
+        # this plan rewrites the fields, so it drops or replaces the record.
+        # (host arrays that shape the table, a window per request or a
+        # qo_indptr, could change in place under the same object: not recorded)
+        sm_scale, window_left, qo_indptr = args[0], args[6], args[7]
+        eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
+                    and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray and qo_indptr is None
+                    and (window_left is None or type(window_left) is int))
+        state.record(_HotCall(q, raw_k, raw_v, raw_table, method, args, out, scores) if eligible else None)
 
 
 # ---------------------------------------------------------------------- launches

@@ -774,21 +774,12 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     q_groups = group // hpc
     grid_y = hkv * q_groups
     group_last = _row_groups(ptr, dt, kv_dt, d, hpc) if ptr is not None and group_tokens else None
-    if group_last is not None:  # each group splits as its last row, planned once
-        lead = _group_leaders(group_last)
-        pages = pages[group_last]
-        target, chunk_pages, req_chunks = _chunking(
-            pages[lead], page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk,
-            max_pages_per_chunk, target_ctas, num_sms)
-        units = int(np.add.reduce(req_chunks))
-        of_group = np.cumsum(lead) - 1
-        chunk_pages, req_chunks = chunk_pages[of_group], req_chunks[of_group]
-        n = int(np.add.reduce(req_chunks))
-    else:
-        target, chunk_pages, req_chunks = _chunking(
-            pages, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk,
-            target_ctas, num_sms)
-        n = units = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
+    if group_last is not None:
+        pages = pages[group_last]  # a row splits as its group's last row
+    target, chunk_pages, req_chunks, units = _grouped_chunking(
+        pages, group_last, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk,
+        max_pages_per_chunk, target_ctas, num_sms)
+    n = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
     if units * grid_y > MAX_GRID_X:
         raise InvalidArgumentError(
             f"{units} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
@@ -902,6 +893,19 @@ def _rows_form_groups(table: Any, group_last: np.ndarray) -> bool:
         return False
     at = pages[prev].astype(np.int64) - 1  # the previous row's last page is this row's page there
     return bool(np.array_equal(table.indices[table.indptr[prev] + at], table.indices[table.indptr[follow] + at]))
+
+
+def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None, *args) -> tuple[int, np.ndarray, np.ndarray, int]:
+    """:func:`_chunking` (``args`` after ``pages``) plus the unit count;
+    with row groups (``pages`` already each row's group's) each group is
+    planned once, as one request, and its rows take its split."""
+    if group_last is None:
+        target, chunk_pages, req_chunks = _chunking(pages, *args)
+        return target, chunk_pages, req_chunks, int(np.add.reduce(req_chunks))
+    lead = _group_leaders(group_last)
+    target, chunk_pages, req_chunks = _chunking(pages[lead], *args)
+    of_group = np.cumsum(lead) - 1
+    return target, chunk_pages[of_group], req_chunks[of_group], int(np.add.reduce(req_chunks))
 
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
