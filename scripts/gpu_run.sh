@@ -3,7 +3,7 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec
+#        ncu_sectors variants spec precompile
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/ncu_compare/spec, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
@@ -17,6 +17,8 @@ Runs the named GPU steps, each under a time limit, and packs their logs and
 outputs into OUT/results.tgz (default steps: tests sanitize bench).
 
 steps:
+  precompile  every kernel module compiled in parallel into CuPy's cache (first,
+              on a fresh machine: the later steps then load them)
   tests       the GPU test suite (pytest -m gpu)
   sanitize    compute-sanitizer memcheck, racecheck and initcheck of the core kernels
   sanitize6   memcheck and racecheck of the fp8, head_dim 96, soft-cap and HND
@@ -74,6 +76,7 @@ ncu_l2="dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,
 ncu_bench="python3 scripts/microbench.py --batch 128 --ctx 16384 --reps 1 --iters 2 --host-iters 1"
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" bash -c "$*" > "$work/$name.log" 2>&1; echo "=== $name exit $?"; tail -n 12 "$work/$name.log"; }
 for s in $steps; do case $s in
+  precompile) run precompile 150 "python3 scripts/precompile.py" ;;
   tests) run pytest 330 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests" ;;
   sanitize)
     # a representative subset per kernel: partial (MMA and SIMT cores, single chunk and fused
