@@ -799,7 +799,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         "pages_per_chunk": longest_chunk,
         "target_ctas": int(target),
         "num_chunks": n,
-        **_chunk_layout(pages, chunk_pages, req_chunks, n, group_last is not None),
+        **_chunk_layout(pages, chunk_pages, req_chunks, n),
         "heads_groups": grid_y,
         "num_ctas": units * grid_y,
         "grid": (units * grid_y, 1, 1),
@@ -965,13 +965,10 @@ def _target_and_sms(target_ctas: int | None, num_sms: int | None) -> tuple[int, 
 
 
 def _chunk_layout(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.ndarray,
-                  n: int, interleave: bool = False) -> dict[str, np.ndarray]:
+                  n: int) -> dict[str, np.ndarray]:
     """The plan's arrays (fields of :class:`DecodePlan`) of ``n`` chunks,
     request ``i`` in ``req_chunks[i]`` chunks of ``chunk_pages[i]`` pages:
-    fresh, read-only int32 arrays. The launch order is longest first, ties
-    in chunk order; with ``interleave`` (row groups) ties go chunk index
-    first, so the groups of one request that read the same chunk's K/V run
-    side by side and all but the first find it in L2.
+    fresh, read-only int32 arrays.
 
     The inputs are int32 from a PageTable (int64 from another table): a
     chunk's first page ``chunk_index * chunk_size`` is below its request's
@@ -987,11 +984,9 @@ def _chunk_layout(pages: np.ndarray, chunk_pages: np.ndarray, req_chunks: np.nda
         o_indptr, chunk_request, chunk_index, key = _split_chunks(pages, chunk_pages, req_chunks, n)
     if req_chunks.dtype != np.int32:  # (from a table whose request_pages are not int32)
         req_chunks, chunk_pages = req_chunks.astype(np.int32), chunk_pages.astype(np.int32)
-    # longest first, ties in chunk order (interleaved: by chunk index, then chunk order)
-    order = np.lexsort((chunk_index, key)) if interleave else key.argsort(kind="stable")
     arrays = dict(o_indptr=o_indptr, chunk_request=chunk_request, chunk_index=chunk_index,
                   request_chunks=req_chunks, request_chunk_pages=chunk_pages,
-                  launch_order=order.astype(np.int32))
+                  launch_order=key.argsort(kind="stable").astype(np.int32))  # longest first, ties in chunk order
     for a in arrays.values():
         a.setflags(write=False)
     return arrays

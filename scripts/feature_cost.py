@@ -11,10 +11,8 @@ calls a graph) for: no feature, ``sinks=`` (float32 [32]), and
 ``window_left=W`` for W = ctx/8 and ctx/2 (each with its own
 ``plan_decode(window_left=W)`` plan) and ``qo_indptr`` with each ``--qlen``
 tokens per request (a q of batch x q_len rows, its own plan), planned with
-row groups ("q_len N": a request's tokens share each K/V read), one row per
-token ("q_len N rows", ``group_tokens=False``) and, above 4 tokens (several
-groups per request), with row groups launched in chunk order ("q_len N chunk
-order") instead of interleaved. The variants
+row groups ("q_len N": a request's tokens share each K/V read) and one row
+per token ("q_len N rows", ``group_tokens=False``). The variants
 take turns over
 ``--rounds`` rounds; the table gives each one's median µs, the spread of
 its rounds ((max - min) / median), its ratio to the plain call and, for windows, the ratio (W + page) / ctx it should approach.
@@ -35,21 +33,6 @@ import _common  # noqa: E402
 
 CELLS = ((1, 32768), (8, 32768), (32, 16384), (128, 4096))
 HQ, HKV, D, P = 32, 8, 128, 16
-
-
-def chunk_order(plan, rows):
-    """``plan`` with the launch order of plans without row groups (longest
-    first, ties in chunk order) instead of its interleaved one (ties by chunk
-    index, so a request's row groups read each chunk side by side)."""
-    import dataclasses
-
-    import numpy as np
-
-    req = plan.chunk_request.astype(np.int64)
-    size = plan.request_chunk_pages[req].astype(np.int64)
-    pages = rows.request_pages[plan.group_last].astype(np.int64)[req]
-    key = np.maximum(plan.chunk_index * size - pages, -size)
-    return dataclasses.replace(plan, launch_order=key.argsort(kind="stable"))
 
 
 def main(argv=None) -> int:
@@ -79,15 +62,11 @@ def main(argv=None) -> int:
             ptr = np.arange(batch + 1, dtype=np.int32) * q_len
             variants[f"q_len {q_len}"] = ({"qo_indptr": ptr}, None)
             variants[f"q_len {q_len} rows"] = ({"qo_indptr": ptr}, None)  # group_tokens=False
-            if q_len > 4:  # several row groups per request: their launch order matters
-                variants[f"q_len {q_len} chunk order"] = ({"qo_indptr": ptr}, None)
         timers = {}
         for name, (kw, w) in variants.items():
             ptr = kw.get("qo_indptr")
             plan = cupaged.plan_decode(b.table, HQ, HKV, D, np.float16, window_left=w, qo_indptr=ptr,
                                        group_tokens=not name.endswith(" rows"))
-            if name.endswith(" chunk order"):
-                plan = chunk_order(plan, b.table.query_rows(ptr))
             q = b.q if ptr is None else cupy.repeat(b.q, int(ptr[1]), axis=0)
             o = out if ptr is None else cupy.empty_like(q)
             timers[name] = GraphTimer(lambda plan=plan, kw=kw, b=b, q=q, o=o: cupaged.decode(

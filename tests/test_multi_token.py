@@ -159,12 +159,6 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
     with pytest.raises(cupaged.PlanMismatchError, match="one split"):
         _validate.check_plan_structure(dataclasses.replace(plan, request_chunks=counts))
 
-    # a request's groups read each chunk side by side: units in chunk-index order
-    long = cupaged.PageTable.from_seq_lens([4096, 4000], page_size=16)
-    two = cupaged.plan_decode(long, 32, 8, 128, np.float16, qo_indptr=[0, 8, 16], pages_per_chunk=64)
-    u = _launch.plan_units(two)
-    assert u[:4, 0].tolist() == [0, 4, 8, 12] and (u[:4, 2] == 0).all() and (u[4:8, 2] == 64).all()
-
     # tokens per CTA by kernel; no groups with a window, group_tokens=False, or the CUDA-core core
     fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, kv_dtype=np.uint8)
     assert fp8.group_last.tolist()[:6] == [1, 1, 3, 3, 5, 5]
