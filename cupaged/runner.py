@@ -89,7 +89,7 @@ class DecodeRunner:
             request (``plan(table, qo_indptr=...)``, no window) reads each
             chunk's K/V once for a request's tokens, as ``decode`` does. The
             kernel is part of a captured graph, so it is chosen here; steps
-            of one token each then cost a little more.
+            of one token each then run its 16-row tile too.
 
     Example (needs a GPU)::
 
