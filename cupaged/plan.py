@@ -699,8 +699,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             window, each row's own), the table ``decode(..., qo_indptr=...)``
             runs on. Without a window, a request's consecutive tokens form
             row groups (``group_last``) that read each chunk's K/V once.
-        group_tokens: keyword-only (default True); False plans every query
-            row on its own (each reads its K/V), as with a window.
+        group_tokens: keyword-only bool (default True); False plans every
+            query row on its own (each reads its K/V), as with a window.
 
     Environment variables are read at call time; an empty value counts as
     unset.
@@ -756,17 +756,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             f"head_dim must be a positive multiple of 8, got {d}")
     dt = _q_dtype(dtype)
     kv_dt = _kv_dtype(kv_dtype, dt)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise InvalidArgumentError(
-            f"deterministic must be True or False, got {deterministic!r}")
-    if pages_per_chunk is not None:
-        pages_per_chunk = _chunk_size(pages_per_chunk, "pages_per_chunk")
-    if max_pages_per_chunk is not None:
-        max_pages_per_chunk = _chunk_size(max_pages_per_chunk, "max_pages_per_chunk")
-    if target_ctas is not None:
-        target_ctas = positive_int(target_ctas, "target_ctas")
-    if num_sms is not None:
-        num_sms = positive_int(num_sms, "num_sms")
+    pages_per_chunk, max_pages_per_chunk, target_ctas, num_sms = _knobs(
+        deterministic, group_tokens, pages_per_chunk, max_pages_per_chunk, target_ctas, num_sms)
 
     batch, page_size, pages, ptr = _plan_table(table, window_left, qo_indptr)
     group = hq // hkv
@@ -809,6 +800,19 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         "deterministic": bool(deterministic),
         "group_last": group_last,
     })
+
+
+def _knobs(deterministic: Any, group_tokens: Any, pages_per_chunk: Any, max_pages_per_chunk: Any,
+           target_ctas: Any, num_sms: Any) -> tuple:
+    """plan_decode's knobs, checked: ``(pages_per_chunk,
+    max_pages_per_chunk, target_ctas, num_sms)`` as ints (or None)."""
+    for name, flag in (("deterministic", deterministic), ("group_tokens", group_tokens)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
+    return (None if pages_per_chunk is None else _chunk_size(pages_per_chunk, "pages_per_chunk"),
+            None if max_pages_per_chunk is None else _chunk_size(max_pages_per_chunk, "max_pages_per_chunk"),
+            None if target_ctas is None else positive_int(target_ctas, "target_ctas"),
+            None if num_sms is None else positive_int(num_sms, "num_sms"))
 
 
 def _plan_table(table: Any, window_left: Any,

@@ -171,6 +171,8 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
         assert p.group_last is None and p.num_units == p.num_chunks
     monkeypatch.setenv("CUPAGED_CORE", "simt")
     assert cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr).group_last is None
+    with pytest.raises(cupaged.InvalidArgumentError, match="group_tokens must be True or False"):
+        cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=1)
 
 
 def test_hot_path_argument_test_compares_arrays_by_identity():
