@@ -98,7 +98,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -1531,22 +1531,40 @@ def fp8_markdown_report(rows: list[dict], args: argparse.Namespace, flashinfer: 
     return "\n".join(head) + _common.markdown_table(FP8_MD_COLUMNS, rows, FP8_HEADERS)
 
 
-def main_fp8(args: argparse.Namespace) -> int:
-    """``--kv-dtype fp8``: the sweep's cells, 16-bit and fp8 caches side by side."""
+def _sweep(
+    args: argparse.Namespace,
+    the_cells: list[dict],
+    header: str,
+    *,
+    run: Callable[..., tuple[dict, list[str], list[str]]],
+    csv_columns: tuple[str, ...],
+    cell_line: Callable[[str, dict, dict, float], str],
+    markdown: Callable[[list[dict], argparse.Namespace, FlashInfer | None], str],
+    tail: Callable[[list[dict]], Iterable[str]],
+    evaluate: Callable[[dict], dict] | None = None,
+    figure: Callable[[list[dict], argparse.Namespace], str] | None = None,
+    timing_notes: Callable[[list[dict]], list[str]] | None = None,
+) -> int:
+    """The cell loop of the plain sweep and of ``--kv-dtype fp8``.
+
+    ``run(cell, args, stream, flashinfer)`` measures a cell -> ``(row,
+    failures, notes)``; a cell that raises an ``Exception`` is a failure and
+    the loop goes on. ``evaluate(row)`` adds columns before ``wall_s``;
+    ``cell_line(where, cell, row, seconds)`` is the line printed per cell.
+    The CSV (``csv_columns``) is rewritten after every cell; the CSV, the
+    ``markdown(rows, args, flashinfer)`` report and ``figure(rows, args)``
+    (which returns its path) are written at the end even when the loop is cut
+    short. Then ``timing_notes(rows)``, the failures, a ``SUMMARY`` line and
+    ``tail(rows)`` are printed. Returns 1 when anything failed, else 0.
+    """
     import cupy
 
-    the_cells = cells(args)
     flashinfer = None
     if "flashinfer" in args.methods:
         flashinfer = FlashInfer()
         status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
         print(f"flashinfer: {status}", flush=True)
-    print(
-        f"microbench --kv-dtype fp8: {len(the_cells)} cells x {', '.join(args.methods)} over {args.dtype} and "
-        f"{FP8_KV_DTYPE} caches (scale {args.fp8_scale:g}); {args.num_qo_heads}q/{args.num_kv_heads}kv "
-        f"D{args.head_dim}; reps {args.reps}, iters {args.iters}",
-        flush=True,
-    )
+    print(header, flush=True)
     stream = cupy.cuda.Stream(non_blocking=True)
     rows, failures = [], []
     try:
@@ -1554,37 +1572,62 @@ def main_fp8(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             where = f"batch {cell['batch']} ctx {cell['ctx']} P {cell['page_size']}"
             try:
-                row, fails, notes = run_fp8_cell(cell, args, stream, flashinfer)
+                row, fails, notes = run(cell, args, stream, flashinfer)
             except Exception as e:  # e.g. out of memory building the cell: keep going
                 failures.append(f"{where}: {_short(e)}")
                 print(f"{where}: FAILED {_short(e)}", flush=True)
                 continue
+            if evaluate is not None:
+                row.update(evaluate(row))
             row["wall_s"] = time.perf_counter() - t0
             rows.append(row)
-            _common.write_csv(args.csv, FP8_CSV_COLUMNS, rows)  # after every cell: a run cut short keeps them
+            _common.write_csv(args.csv, csv_columns, rows)  # after every cell: a run cut short keeps them
             failures += [f"{where}: {f}" for f in fails]
-            parts = [f"{m} {_common.format_value(row.get(f'{m}_us'))}us" for m in FP8_METHODS if row.get(f"{m}_us")]
-            ratio = row.get("v2_16bit_over_fp8")
-            print(
-                f"{where}: {'  '.join(parts)}" + (f"  v2 16/8 {ratio:.2f}" if ratio else "")
-                + f"  ({time.perf_counter() - t0:.1f} s)",
-                flush=True,
-            )
+            print(cell_line(where, cell, row, time.perf_counter() - t0), flush=True)
             for f in fails:
                 print(f"  ! {f}", flush=True)
             for n in notes:
                 print(f"  note: {n}", flush=True)
     finally:
         if rows:
-            _common.write_csv(args.csv, FP8_CSV_COLUMNS, rows)
+            _common.write_csv(args.csv, csv_columns, rows)
             Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.md).write_text(fp8_markdown_report(rows, args, flashinfer))
-            print(f"wrote {args.csv}, {args.md}")
+            Path(args.md).write_text(markdown(rows, args, flashinfer))
+            written = [args.csv, args.md] + ([figure(rows, args)] if figure is not None else [])
+            print(f"wrote {', '.join(written)}")
+    if timing_notes is not None:
+        for line in timing_notes(rows):
+            print(line)
     for f in failures:
         print(f"failure: {f}")
     print(f"SUMMARY: {len(rows)}/{len(the_cells)} cells measured, {len(failures)} failures")
-    print(_common.text_table(FP8_MD_COLUMNS, rows, FP8_HEADERS))
+    for line in tail(rows):
+        print(line)
     return 1 if failures else 0
+
+
+def _fp8_cell_line(where: str, cell: dict, row: dict, seconds: float) -> str:
+    """The line printed per ``--kv-dtype fp8`` cell: the times and v2's 16/8."""
+    parts = [f"{m} {_common.format_value(row.get(f'{m}_us'))}us" for m in FP8_METHODS if row.get(f"{m}_us")]
+    ratio = row.get("v2_16bit_over_fp8")
+    return f"{where}: {'  '.join(parts)}" + (f"  v2 16/8 {ratio:.2f}" if ratio else "") + f"  ({seconds:.1f} s)"
+
+
+def main_fp8(args: argparse.Namespace) -> int:
+    """``--kv-dtype fp8``: the sweep's cells, 16-bit and fp8 caches side by side."""
+    the_cells = cells(args)
+    return _sweep(
+        args,
+        the_cells,
+        f"microbench --kv-dtype fp8: {len(the_cells)} cells x {', '.join(args.methods)} over {args.dtype} and "
+        f"{FP8_KV_DTYPE} caches (scale {args.fp8_scale:g}); {args.num_qo_heads}q/{args.num_kv_heads}kv "
+        f"D{args.head_dim}; reps {args.reps}, iters {args.iters}",
+        run=run_fp8_cell,
+        csv_columns=FP8_CSV_COLUMNS,
+        cell_line=_fp8_cell_line,
+        markdown=fp8_markdown_report,
+        tail=lambda rows: [_common.text_table(FP8_MD_COLUMNS, rows, FP8_HEADERS)],
+    )
 
 
 # ------------------------------------------------------------------- outputs
@@ -2538,6 +2581,50 @@ def main_ragged(args: argparse.Namespace, argv=None) -> int:
     return 1 if failures or interrupted else 0
 
 
+def _sweep_cell_line(where: str, cell: dict, row: dict, seconds: float) -> str:
+    """The line printed per cell of the plain sweep: axes padded to align, v2's plan, the times."""
+    parts = [f"{m} {_common.format_value(row.get(f'{m}_us'))}us" for m in METHODS if row.get(f"{m}_us") is not None]
+    return (
+        f"batch {cell['batch']:>3} ctx {cell['ctx']:>6} P {cell['page_size']:>3} "
+        f"c={row['v2_pages_per_chunk']} chunks={row['v2_num_chunks']} "
+        f"merge={'yes' if row['v2_needs_merge'] else 'no'} "
+        f"x{row['replicas']}: {'  '.join(parts)}  ({seconds:.1f} s)"
+    )
+
+
+def _sweep_figure(rows: list[dict], args: argparse.Namespace) -> str:
+    """The plain sweep's plot at ``args.png`` -> that path; a failure is
+    reported on stderr, not raised."""
+    try:
+        title = (
+            f"{device_name()}: {args.dtype}, {args.num_qo_heads}q/{args.num_kv_heads}kv heads, "
+            f"head_dim {args.head_dim}; GPU time per call (graph replay), first_page_offset 0"
+        )
+        plot(rows, [m for m in METHODS if m in args.methods], args.png, title)
+    except Exception as e:  # a plot problem must not lose the numbers
+        print(f"plot failed: {_short(e)}", file=sys.stderr)
+    return args.png
+
+
+def _timing_notes(rows: list[dict]) -> list[str]:
+    """A ``timing note:`` line per method and timing other than graph replay."""
+    timing = sorted(
+        {
+            f"{m}: {row[f'{m}_timing']}"
+            for row in rows
+            for m in METHODS
+            if row.get(f"{m}_timing") and not row[f"{m}_timing"].startswith("graph")
+        }
+    )
+    return [f"timing note: {t}" for t in timing]
+
+
+def _sweep_tail(rows: list[dict]) -> Iterator[str]:
+    """The plain sweep's lines after ``SUMMARY``: v2 against each method, then the table."""
+    yield from summary_lines(rows)
+    yield _common.text_table(SUMMARY_COLUMNS, rows, HEADERS)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     _common.require_gpu()
@@ -2547,82 +2634,22 @@ def main(argv=None) -> int:
         return main_ragged(args, argv)
     if args.kv_dtype:
         return main_fp8(args)
-    import cupy
-
     the_cells = cells(args)
-    flashinfer = None
-    if "flashinfer" in args.methods:
-        flashinfer = FlashInfer()
-        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
-        print(f"flashinfer: {status}", flush=True)
-    print(
+    return _sweep(
+        args,
+        the_cells,
         f"microbench: {len(the_cells)} cells x methods {', '.join(args.methods)}; {args.dtype} "
         f"{args.num_qo_heads}q/{args.num_kv_heads}kv D{args.head_dim}; reps {args.reps}, iters {args.iters}, "
         f"host iters {args.host_iters}; first_page_offset = 0 (FlashInfer has none)",
-        flush=True,
+        run=run_cell,
+        evaluate=bench_report.evaluate_row,
+        csv_columns=CSV_COLUMNS,
+        cell_line=_sweep_cell_line,
+        markdown=markdown_report,
+        figure=_sweep_figure,
+        timing_notes=_timing_notes,
+        tail=_sweep_tail,
     )
-    stream = cupy.cuda.Stream(non_blocking=True)
-    rows, failures = [], []
-    try:
-        for cell in the_cells:
-            t0 = time.perf_counter()
-            where = f"batch {cell['batch']} ctx {cell['ctx']} P {cell['page_size']}"
-            try:
-                row, fails, notes = run_cell(cell, args, stream, flashinfer)
-            except Exception as e:  # e.g. out of memory building the cell: keep going
-                failures.append(f"{where}: {_short(e)}")
-                print(f"{where}: FAILED {_short(e)}", flush=True)
-                continue
-            row.update(bench_report.evaluate_row(row))
-            row["wall_s"] = time.perf_counter() - t0
-            rows.append(row)
-            _common.write_csv(args.csv, CSV_COLUMNS, rows)  # after every cell: a run cut short keeps them
-            failures += [f"{where}: {f}" for f in fails]
-            parts = [
-                f"{m} {_common.format_value(row.get(f'{m}_us'))}us" for m in METHODS if row.get(f"{m}_us") is not None
-            ]
-            print(
-                f"batch {cell['batch']:>3} ctx {cell['ctx']:>6} P {cell['page_size']:>3} "
-                f"c={row['v2_pages_per_chunk']} chunks={row['v2_num_chunks']} "
-                f"merge={'yes' if row['v2_needs_merge'] else 'no'} "
-                f"x{row['replicas']}: {'  '.join(parts)}  ({time.perf_counter() - t0:.1f} s)",
-                flush=True,
-            )
-            for f in fails:
-                print(f"  ! {f}", flush=True)
-            for n in notes:
-                print(f"  note: {n}", flush=True)
-    finally:
-        if rows:
-            _common.write_csv(args.csv, CSV_COLUMNS, rows)
-            Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.md).write_text(markdown_report(rows, args, flashinfer))
-            try:
-                title = (
-                    f"{device_name()}: {args.dtype}, {args.num_qo_heads}q/{args.num_kv_heads}kv heads, "
-                    f"head_dim {args.head_dim}; GPU time per call (graph replay), first_page_offset 0"
-                )
-                plot(rows, [m for m in METHODS if m in args.methods], args.png, title)
-            except Exception as e:  # a plot problem must not lose the numbers
-                print(f"plot failed: {_short(e)}", file=sys.stderr)
-            print(f"wrote {args.csv}, {args.md}, {args.png}")
-    timing = sorted(
-        {
-            f"{m}: {row[f'{m}_timing']}"
-            for row in rows
-            for m in METHODS
-            if row.get(f"{m}_timing") and not row[f"{m}_timing"].startswith("graph")
-        }
-    )
-    for t in timing:
-        print(f"timing note: {t}")
-    for f in failures:
-        print(f"failure: {f}")
-    print(f"SUMMARY: {len(rows)}/{len(the_cells)} cells measured, {len(failures)} failures")
-    for line in summary_lines(rows):
-        print(line)
-    print(_common.text_table(SUMMARY_COLUMNS, rows, HEADERS))
-    return 1 if failures else 0
 
 
 if __name__ == "__main__":
