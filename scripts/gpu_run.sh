@@ -19,7 +19,7 @@ outputs into OUT/results.tgz (default steps: tests sanitize bench).
 steps:
   precompile  every kernel module compiled in parallel into CuPy's cache (first,
               on a fresh machine: the later steps then load them)
-  tests       the GPU test suite (pytest -m gpu)
+  tests       the GPU test suite (pytest -m gpu), in three processes side by side
   sanitize    compute-sanitizer memcheck, racecheck and initcheck of the core kernels
   sanitize6   memcheck and racecheck of the fp8, head_dim 96, soft-cap and HND
               instances, append_kv and cascade
@@ -77,7 +77,14 @@ ncu_bench="python3 scripts/microbench.py --batch 128 --ctx 16384 --reps 1 --iter
 run() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" bash -c "$*" > "$work/$name.log" 2>&1; echo "=== $name exit $?"; tail -n 12 "$work/$name.log"; }
 for s in $steps; do case $s in
   precompile) run precompile 150 "python3 scripts/precompile.py" ;;
-  tests) run pytest 330 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests" ;;
+  tests)  # three pytest processes side by side on the one GPU (serially the suite outgrew one 10-minute call;
+          # 475 tests in ~165 s this way on the H200 after precompile)
+    pt="python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable"
+    big="tests/test_gpu_decode.py tests/test_features_gpu.py tests/test_multi_token.py"
+    run pytest_a 300 "$pt tests/test_gpu_decode.py" &
+    run pytest_b 300 "$pt tests/test_features_gpu.py tests/test_multi_token.py" &
+    run pytest_c 300 "$pt tests $(printf -- '--ignore=%s ' $big)" &
+    wait ;;
   sanitize)
     # a representative subset per kernel: partial (MMA and SIMT cores, single chunk and fused
     # merge, page sizes 1-256, graph replay), v1, gather, the standalone merge
