@@ -963,6 +963,22 @@ def sample(runner: Runner, stream) -> None:
             runner.samples["host"].append((t1 - t0) * 1e6 / runner.host_iters)
 
 
+def sample_interleaved(runners: list[Runner], stream) -> None:
+    """Up to ``runner.reps`` repetitions of :func:`sample` per runner,
+    interleaved within a repetition. A runner that raises keeps the error (its
+    ``timing`` says so) and is not sampled again."""
+    for rep in range(max([r.reps for r in runners] + [0])):
+        for runner in runners:
+            if runner.error or rep >= runner.reps:
+                continue
+            try:
+                sample(runner, stream)
+            except Exception as e:
+                runner.error = _short(e)
+                runner.timing = f"error: {runner.error}"
+                _abort_capture(stream)
+
+
 def host_call_times(call, stream, n: int) -> list[float]:
     """Host time (us) of ``n`` calls timed one at a time, each launched onto
     an idle stream (synchronized before, outside the timed span)."""
@@ -1028,6 +1044,22 @@ def cupaged_runner(method: str, batch: _common.DeviceBatch, plan, stream, *, nam
         for k, v in (batch.caches if caches is None else caches)
     ]
     return Runner(name or method, calls, out, lambda: stream)
+
+
+def v2_anchor(batch: _common.DeviceBatch, plan, stream, failures: list[str]):
+    """v2's output on replica 0 of ``batch``, the reference the other methods
+    are compared with; None, and a ``v2 anchor`` failure appended to
+    ``failures``, when the call raises."""
+    import cupaged
+
+    anchor = None
+    try:
+        with stream:
+            anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
+        stream.synchronize()
+    except Exception as e:
+        failures.append(f"v2 anchor: {_short(e)}")
+    return anchor
 
 
 class FlashInfer:
@@ -1220,14 +1252,8 @@ def _measure_cell(
         row["graph_calls"] = None  # per method, adaptive (see the docstring)
     failures, notes = [], []
 
-    anchor = None  # v2 output of replica 0: sanity check of every method
-    if "v2" in methods:
-        try:
-            with stream:
-                anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
-            stream.synchronize()
-        except Exception as e:
-            failures.append(f"v2 anchor: {_short(e)}")
+    # v2 output of replica 0: sanity check of every method
+    anchor = v2_anchor(batch, plan, stream, failures) if "v2" in methods else None
 
     # v2 first: in suite mode its time estimate decides whether gather runs
     order = sorted(methods, key=lambda m: ("v2", "flashinfer", "v1", "gather").index(m))
@@ -1265,16 +1291,7 @@ def _measure_cell(
                     runner.replays = max(3, math.ceil(args.iters / n_graph))
                     runner.iters, runner.host_iters, runner.reps = args.iters, args.host_iters, args.reps
             runners.append(runner)
-    for rep in range(max([r.reps for r in runners] + [0])):
-        for runner in runners:
-            if runner.error or rep >= runner.reps:
-                continue
-            try:
-                sample(runner, stream)
-            except Exception as e:
-                runner.error = _short(e)
-                runner.timing = f"error: {runner.error}"
-                _abort_capture(stream)
+    sample_interleaved(runners, stream)
     for runner in runners:
         try:
             measure_host(runner, stream)
@@ -1440,13 +1457,7 @@ def _measure_fp8_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: 
         "v2_fp8_pages_per_chunk": int(plan8.pages_per_chunk),
     }
     failures, notes = [], []
-    anchor = None  # 16-bit v2 output of replica 0: every method is compared with it
-    try:
-        with stream:
-            anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
-        stream.synchronize()
-    except Exception as e:
-        failures.append(f"v2 anchor: {_short(e)}")
+    anchor = v2_anchor(batch, plan, stream, failures)  # 16-bit v2 output: every method is compared with it
 
     runners = []
     if "v2" in args.methods:
@@ -1469,16 +1480,7 @@ def _measure_fp8_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: 
             prepare(runner, stream, n_graph, anchor)
             runner.replays = max(3, math.ceil(args.iters / n_graph))
             runner.iters, runner.host_iters, runner.reps = args.iters, args.host_iters, args.reps
-    for _ in range(args.reps):
-        for runner in runners:
-            if runner.error:
-                continue
-            try:
-                sample(runner, stream)
-            except Exception as e:
-                runner.error = _short(e)
-                runner.timing = f"error: {runner.error}"
-                _abort_capture(stream)
+    sample_interleaved(runners, stream)
     for runner in runners:
         if runner.error:
             (notes if runner.name.startswith("flashinfer") else failures).append(f"{runner.name}: {runner.error}")
@@ -1531,6 +1533,14 @@ def fp8_markdown_report(rows: list[dict], args: argparse.Namespace, flashinfer: 
     return "\n".join(head) + _common.markdown_table(FP8_MD_COLUMNS, rows, FP8_HEADERS)
 
 
+def _load_flashinfer() -> FlashInfer:
+    """:class:`FlashInfer`, its version (or why it is unavailable) printed."""
+    flashinfer = FlashInfer()
+    status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
+    print(f"flashinfer: {status}", flush=True)
+    return flashinfer
+
+
 def _sweep(
     args: argparse.Namespace,
     the_cells: list[dict],
@@ -1559,11 +1569,7 @@ def _sweep(
     """
     import cupy
 
-    flashinfer = None
-    if "flashinfer" in args.methods:
-        flashinfer = FlashInfer()
-        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
-        print(f"flashinfer: {status}", flush=True)
+    flashinfer = _load_flashinfer() if "flashinfer" in args.methods else None
     print(header, flush=True)
     stream = cupy.cuda.Stream(non_blocking=True)
     rows, failures = [], []
@@ -1862,22 +1868,56 @@ def _cell_line(cell: dict, row: dict, args: argparse.Namespace, seconds: float) 
     )
 
 
-def main_suite(args: argparse.Namespace, argv=None) -> int:
-    """``--suite``: the issue's cells within ``--budget-s``, outputs rewritten
-    after every cell, the target summary printed last."""
+def _budgeted_run(
+    args: argparse.Namespace,
+    argv,
+    *,
+    desc: str,
+    wants_flashinfer: Callable[[list[dict]], bool],
+    what: Callable[[list[dict]], str],
+    label: Callable[[dict], str],
+    warm_key: Callable[[dict], Any],
+    estimate: Callable[[dict, argparse.Namespace, bool], float],
+    run: Callable[..., tuple[dict, list[str], list[str]]],
+    write_outputs: Callable[[list[dict], dict, argparse.Namespace], None],
+    cell_line: Callable[[str, dict, dict, float], str],
+    draw: Callable[[list[dict], str, str], None],
+    title: str,
+    summary: str,
+    tail: Callable[[list[dict]], Iterable[str]],
+    evaluate: Callable[[dict], dict] | None = None,
+    timing: str | None = None,
+) -> int:
+    """The cell loop of ``--suite`` and ``--lengths``: ``cells(args)`` within
+    ``--budget-s``, outputs rewritten after every cell.
+
+    FlashInfer is loaded when ``wants_flashinfer(cells)``; the header line is
+    ``microbench {what(cells)}; budget ...``; ``timing``, when given, replaces
+    the run metadata's ``timing``. ``label(cell)`` names a cell in every line.
+    A cell whose ``estimate(cell, args, jit_pending)`` (``jit_pending``: no
+    cell of its ``warm_key(cell)`` measured yet) would end past the budget is
+    skipped; SIGTERM and the alarm HARD_STOP_MARGIN_S after the budget end the
+    loop (:class:`Interrupted`), as does KeyboardInterrupt. ``run(cell, args,
+    stream, flashinfer)`` measures a cell -> ``(row, failures, notes)``; a cell
+    that raises an ``Exception`` is a failure and the loop goes on.
+    ``evaluate(row)`` adds columns after ``wall_s``; ``write_outputs(rows,
+    meta, args)`` writes the CSV, meta JSON and report; ``cell_line(where,
+    cell, row, seconds)`` is the line printed per cell; ``draw(rows, path,
+    title)`` plots at the end (titled ``{device}: {title}``). Then the
+    failures, a ``{summary}: ...`` line and ``tail(rows)`` are printed.
+    Returns 1 when anything failed or the run was interrupted, else 0.
+    """
     import cupy
 
     t_start = time.perf_counter()
     the_cells = cells(args)
-    flashinfer = None
-    if any("flashinfer" in c["methods"] for c in the_cells):
-        flashinfer = FlashInfer()
-        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
-        print(f"flashinfer: {status}", flush=True)
+    flashinfer = _load_flashinfer() if wants_flashinfer(the_cells) else None
     meta = run_meta(args, argv, flashinfer, len(the_cells))
+    if timing is not None:
+        meta["timing"] = timing
     budget = args.budget_s or 0.0
     print(
-        f"microbench --suite {args.suite}: {len(the_cells)} cells; budget {budget:.0f} s; reps {args.reps}; "
+        f"microbench {what(the_cells)}; budget {budget:.0f} s; reps {args.reps}; "
         f"commit {meta['commit']}; {meta['gpu']}",
         flush=True,
     )
@@ -1887,16 +1927,16 @@ def main_suite(args: argparse.Namespace, argv=None) -> int:
         signal.alarm(int(budget + HARD_STOP_MARGIN_S))
     stream = cupy.cuda.Stream(non_blocking=True)
     rows, failures, notes = [], [], meta["notes"]
-    warmed = set()
+    warmed = set()  # warm keys of the cells measured (their JIT is done)
     finished = set()  # indices of cells measured, skipped or failed
     interrupted = ""
-    progress = _Progress(len(the_cells), "issue5")
+    progress = _Progress(len(the_cells), desc)
     try:
         for i, cell in enumerate(the_cells):
-            where = cell_label(cell, args)
+            where = label(cell)
             elapsed = time.perf_counter() - t_start
-            key = (cell["dtype"], cell["head_dim"])
-            est = estimate_cell_s(cell, args, key not in warmed)
+            key = warm_key(cell)
+            est = estimate(cell, args, key not in warmed)
             if budget and elapsed + est > budget:
                 meta["skipped"].append(f"{where}: time budget ({est:.0f} s estimated, {budget - elapsed:.0f} s left)")
                 finished.add(i)
@@ -1904,7 +1944,7 @@ def main_suite(args: argparse.Namespace, argv=None) -> int:
                 continue
             t0 = time.perf_counter()
             try:
-                row, fails, cell_notes = run_cell(cell, args, stream, flashinfer)
+                row, fails, cell_notes = run(cell, args, stream, flashinfer)
             except Exception as e:  # e.g. out of memory building the cell: keep going
                 failures.append(f"{where}: {_short(e)}")
                 finished.add(i)
@@ -1914,21 +1954,22 @@ def main_suite(args: argparse.Namespace, argv=None) -> int:
                 continue
             warmed.add(key)
             row["wall_s"] = time.perf_counter() - t0
-            row.update(bench_report.evaluate_row(row))
+            if evaluate is not None:
+                row.update(evaluate(row))
             rows.append(row)
             finished.add(i)
             failures += [f"{where}: {f}" for f in fails]
             notes += [f"{where}: {n}" for n in cell_notes]
             meta["elapsed_s"] = time.perf_counter() - t_start
-            write_suite_outputs(rows, meta, args)
-            progress.write(_cell_line(cell, row, args, row["wall_s"]))
+            write_outputs(rows, meta, args)
+            progress.write(cell_line(where, cell, row, row["wall_s"]))
             for f in fails:
                 progress.write(f"  ! {f}")
             progress.update(where)
     except (Interrupted, KeyboardInterrupt) as e:
         interrupted = f"{type(e).__name__} {e} after {time.perf_counter() - t_start:.0f} s"
         meta["skipped"] += [
-            f"{cell_label(c, args)}: interrupted ({interrupted})" for j, c in enumerate(the_cells) if j not in finished
+            f"{label(c)}: interrupted ({interrupted})" for j, c in enumerate(the_cells) if j not in finished
         ]
     finally:
         signal.alarm(0)
@@ -1939,9 +1980,9 @@ def main_suite(args: argparse.Namespace, argv=None) -> int:
     if failures:
         notes += [f"failure: {f}" for f in failures]
     if rows:
-        write_suite_outputs(rows, meta, args)
+        write_outputs(rows, meta, args)
         try:
-            plot_suite(rows, args.png, f"{device_name()}: GPU time per call under graph replay -> TB/s")
+            draw(rows, args.png, f"{device_name()}: {title}")
         except Exception as e:  # a plot problem must not lose the numbers
             print(f"plot failed: {_short(e)}", file=sys.stderr)
         print(f"wrote {args.csv}, {bench_report.meta_path(args.csv)}, {args.md}, {args.png}")
@@ -1950,11 +1991,35 @@ def main_suite(args: argparse.Namespace, argv=None) -> int:
     if interrupted:
         print(f"INTERRUPTED: {interrupted}")
     print(
-        f"SUMMARY: {len(rows)}/{len(the_cells)} cells measured, {len(meta['skipped'])} not run, "
+        f"{summary}: {len(rows)}/{len(the_cells)} cells measured, {len(meta['skipped'])} not run, "
         f"{len(failures)} failures, {meta['elapsed_s']:.0f} s"
     )
-    print(bench_report.summary_text(rows))
+    for line in tail(rows):
+        print(line)
     return 1 if failures or interrupted else 0
+
+
+def main_suite(args: argparse.Namespace, argv=None) -> int:
+    """``--suite``: the issue's cells within ``--budget-s``, outputs rewritten
+    after every cell, the target summary printed last."""
+    return _budgeted_run(
+        args,
+        argv,
+        desc="issue5",
+        wants_flashinfer=lambda the_cells: any("flashinfer" in c["methods"] for c in the_cells),
+        what=lambda the_cells: f"--suite {args.suite}: {len(the_cells)} cells",
+        label=lambda cell: cell_label(cell, args),
+        warm_key=lambda cell: (cell["dtype"], cell["head_dim"]),
+        estimate=estimate_cell_s,
+        run=run_cell,
+        evaluate=bench_report.evaluate_row,
+        write_outputs=write_suite_outputs,
+        cell_line=lambda where, cell, row, seconds: _cell_line(cell, row, args, seconds),
+        draw=plot_suite,
+        title="GPU time per call under graph replay -> TB/s",
+        summary="SUMMARY",
+        tail=lambda rows: [bench_report.summary_text(rows)],
+    )
 
 
 # ---------------------------------------------------------- ragged batches
@@ -2094,12 +2159,7 @@ def _measure_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfe
                 failures.append(f"v2 does not run its kernel here: {sel.reason}")
         except Exception as e:
             notes.append(f"v2 path not checked: {_short(e)}")
-        try:
-            with stream:
-                anchor = cupaged.decode(batch.q, batch.k_cache, batch.v_cache, batch.table, plan, method="v2")
-            stream.synchronize()
-        except Exception as e:
-            failures.append(f"v2 anchor: {_short(e)}")
+        anchor = v2_anchor(batch, plan, stream, failures)
 
     runners = []
     if "v2" in args.methods:
@@ -2116,16 +2176,7 @@ def _measure_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfe
     for runner in runners:
         if not runner.error:
             prepare(runner, stream, 0, anchor, adaptive=True, reps=args.reps)
-    for rep in range(max([r.reps for r in runners] + [0])):
-        for runner in runners:  # interleaved within a repetition
-            if runner.error or rep >= runner.reps:
-                continue
-            try:
-                sample(runner, stream)
-            except Exception as e:
-                runner.error = _short(e)
-                runner.timing = f"error: {runner.error}"
-                _abort_capture(stream)
+    sample_interleaved(runners, stream)
     for runner in runners:
         if runner.error:
             (notes if runner.name.startswith("flashinfer") else failures).append(f"{runner.name}: {runner.error}")
@@ -2467,20 +2518,9 @@ def ragged_summary_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main_ragged(args: argparse.Namespace, argv=None) -> int:
-    """``--lengths``: every (dtype, ragged cell) within ``--budget-s``,
-    outputs rewritten after every cell, ``SUMMARY`` lines printed last."""
-    import cupy
-
-    t_start = time.perf_counter()
-    the_cells = cells(args)
-    flashinfer = None
-    if "flashinfer" in args.methods:
-        flashinfer = FlashInfer()
-        status = f"FlashInfer {flashinfer.version}" if flashinfer.available else f"unavailable: {flashinfer.reason}"
-        print(f"flashinfer: {status}", flush=True)
-    meta = run_meta(args, argv, flashinfer, len(the_cells))
-    meta["timing"] = (
+def _ragged_timing(args: argparse.Namespace) -> str:
+    """The ``timing`` paragraph of a ``--lengths`` report."""
+    return (
         f"GPU µs per call under CUDA-graph replay, median of up to {args.reps} repetitions (v2 and FlashInfer's "
         f"two variants interleaved, same cache buffers and page table); a graph holds >= ~{GRAPH_TARGET_US:.0f} µs "
         f"of calls (at least one per cache copy), ~{SAMPLE_US / 1000:.0f} ms of replays per repetition, one "
@@ -2491,94 +2531,44 @@ def main_ragged(args: argparse.Namespace, argv=None) -> int:
         "cells under 256 MiB of KV rotate between cache copies so no call runs from L2. fp8 = float8 e4m3 KV "
         "cache under a float16 query, scale 1, v2 and FlashInfer reading the same bytes."
     )
-    budget = args.budget_s or 0.0
-    print(
-        f"microbench --lengths: {len(the_cells)} cells ({len(args.lengths)} batches x "
-        f"{', '.join(args.ragged_dtypes)}) x {', '.join(args.methods)}; budget {budget:.0f} s; reps {args.reps}; "
-        f"commit {meta['commit']}; {meta['gpu']}",
-        flush=True,
+
+
+def _ragged_progress_line(where: str, cell: dict, row: dict, seconds: float) -> str:
+    """The line printed per ``--lengths`` cell: v2's plan, v2 and FlashInfer-best, FI/v2."""
+    ratio = row.get("v2_over_flashinfer")
+    return (
+        f"{where:<36} c={row['v2_pages_per_chunk']} ctas={row['v2_num_ctas']} x{row['replicas']}: "
+        f"v2 {_fmt(row.get('v2_us')) or '-'} us {_fmt(row.get('v2_tbps'), 3) or '-'} TB/s  "
+        f"FI {_fmt(row.get('flashinfer_us')) or '-'} us"
+        + (f"  FI/v2 {ratio:.2f}" if ratio else "")
+        + f"  ({seconds:.1f} s)"
     )
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
-    old_alarm = signal.signal(signal.SIGALRM, _interrupt)
-    if budget:
-        signal.alarm(int(budget + HARD_STOP_MARGIN_S))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    rows, failures, notes = [], [], meta["notes"]
-    warmed = set()
-    finished = set()
-    interrupted = ""
-    progress = _Progress(len(the_cells), "ragged")
-    try:
-        for i, cell in enumerate(the_cells):
-            where = ragged_label(cell)
-            elapsed = time.perf_counter() - t_start
-            est = estimate_ragged_cell_s(cell, args, cell["choice"] not in warmed)
-            if budget and elapsed + est > budget:
-                meta["skipped"].append(f"{where}: time budget ({est:.0f} s estimated, {budget - elapsed:.0f} s left)")
-                finished.add(i)
-                progress.update(f"{where} skipped")
-                continue
-            t0 = time.perf_counter()
-            try:
-                row, fails, cell_notes = run_ragged_cell(cell, args, stream, flashinfer)
-            except Exception as e:  # e.g. out of memory building the cell: keep going
-                failures.append(f"{where}: {_short(e)}")
-                finished.add(i)
-                progress.write(f"{where}: FAILED {_short(e)}")
-                _common.free_gpu_memory()
-                progress.update(f"{where} failed")
-                continue
-            warmed.add(cell["choice"])
-            row["wall_s"] = time.perf_counter() - t0
-            rows.append(row)
-            finished.add(i)
-            failures += [f"{where}: {f}" for f in fails]
-            notes += [f"{where}: {n}" for n in cell_notes]
-            meta["elapsed_s"] = time.perf_counter() - t_start
-            write_ragged_outputs(rows, meta, args)
-            ratio = row.get("v2_over_flashinfer")
-            progress.write(
-                f"{where:<36} c={row['v2_pages_per_chunk']} ctas={row['v2_num_ctas']} x{row['replicas']}: "
-                f"v2 {_fmt(row.get('v2_us')) or '-'} us {_fmt(row.get('v2_tbps'), 3) or '-'} TB/s  "
-                f"FI {_fmt(row.get('flashinfer_us')) or '-'} us"
-                + (f"  FI/v2 {ratio:.2f}" if ratio else "")
-                + f"  ({row['wall_s']:.1f} s)"
-            )
-            for f in fails:
-                progress.write(f"  ! {f}")
-            progress.update(where)
-    except (Interrupted, KeyboardInterrupt) as e:
-        interrupted = f"{type(e).__name__} {e} after {time.perf_counter() - t_start:.0f} s"
-        meta["skipped"] += [
-            f"{ragged_label(c)}: interrupted ({interrupted})" for j, c in enumerate(the_cells) if j not in finished
-        ]
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGTERM, old_term)
-        signal.signal(signal.SIGALRM, old_alarm)
-        progress.close()
-    meta["elapsed_s"] = time.perf_counter() - t_start
-    if failures:
-        notes += [f"failure: {f}" for f in failures]
-    if rows:
-        write_ragged_outputs(rows, meta, args)
-        try:
-            title = f"{device_name()}: ragged batches, GPU time per call under graph replay -> TB/s"
-            plot_ragged(rows, args.png, title)
-        except Exception as e:  # a plot problem must not lose the numbers
-            print(f"plot failed: {_short(e)}", file=sys.stderr)
-        print(f"wrote {args.csv}, {bench_report.meta_path(args.csv)}, {args.md}, {args.png}")
-    for f in failures:
-        print(f"failure: {f}")
-    if interrupted:
-        print(f"INTERRUPTED: {interrupted}")
-    print(
-        f"SUMMARY ragged: {len(rows)}/{len(the_cells)} cells measured, {len(meta['skipped'])} not run, "
-        f"{len(failures)} failures, {meta['elapsed_s']:.0f} s"
+
+
+def main_ragged(args: argparse.Namespace, argv=None) -> int:
+    """``--lengths``: every (dtype, ragged cell) within ``--budget-s``,
+    outputs rewritten after every cell, ``SUMMARY`` lines printed last."""
+    return _budgeted_run(
+        args,
+        argv,
+        desc="ragged",
+        wants_flashinfer=lambda the_cells: "flashinfer" in args.methods,
+        what=lambda the_cells: (
+            f"--lengths: {len(the_cells)} cells ({len(args.lengths)} batches x "
+            f"{', '.join(args.ragged_dtypes)}) x {', '.join(args.methods)}"
+        ),
+        timing=_ragged_timing(args),
+        label=ragged_label,
+        warm_key=lambda cell: cell["choice"],
+        estimate=estimate_ragged_cell_s,
+        run=run_ragged_cell,
+        write_outputs=write_ragged_outputs,
+        cell_line=_ragged_progress_line,
+        draw=plot_ragged,
+        title="ragged batches, GPU time per call under graph replay -> TB/s",
+        summary="SUMMARY ragged",
+        tail=ragged_summary_lines,
     )
-    for line in ragged_summary_lines(rows):
-        print(line)
-    return 1 if failures or interrupted else 0
 
 
 def _sweep_cell_line(where: str, cell: dict, row: dict, seconds: float) -> str:
