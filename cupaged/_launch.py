@@ -76,9 +76,9 @@ def plan_units(plan) -> np.ndarray:
     serve the group's rows)."""
     order = plan.launch_order
     if plan.group_last is not None:
-        first = np.ones(plan.batch_size, dtype=bool)
-        first[1:] = plan.group_last[1:] != plan.group_last[:-1]
-        order = order[first[plan.chunk_request[order]]]
+        from .plan import group_leaders
+
+        order = order[group_leaders(plan.group_last)[plan.chunk_request[order]]]
     req = plan.chunk_request[order].astype(np.int64)
     pages = plan.request_chunk_pages[req].astype(np.int64)
     lo = plan.chunk_index[order] * pages

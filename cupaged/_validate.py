@@ -96,6 +96,7 @@ def _check_row_groups(plan, counts: np.ndarray, bad) -> int:
     most MAX_Q_LEN, and a group's rows share one split (the kernel reads
     every row's chunk count from the first)."""
     from .page_table import MAX_Q_LEN
+    from .plan import group_leaders
 
     last = np.asarray(plan.group_last, dtype=np.int64)
     B = int(plan.batch_size)
@@ -103,8 +104,7 @@ def _check_row_groups(plan, counts: np.ndarray, bad) -> int:
     if last.shape != (B,) or (last < rows).any() or (last >= B).any() or (last[last] != last).any() \
             or (np.diff(last) < 0).any() or (last - rows >= MAX_Q_LEN).any():
         bad(f"group_last is not runs of at most {MAX_Q_LEN} consecutive rows")
-    lead = np.ones(B, dtype=bool)
-    lead[1:] = last[1:] != last[:-1]
+    lead = group_leaders(last)
     first = np.maximum.accumulate(np.where(lead, rows, 0))  # each row's group's first row
     pages = np.asarray(plan.request_chunk_pages, dtype=np.int64)
     if counts.shape != (B,) or pages.shape != (B,) or not (
@@ -139,9 +139,9 @@ def plan_mismatch_reason(plan, table, limit: int = 3) -> str:
     c = int(plan.pages_per_chunk)
     pages = np.asarray(table.request_pages, dtype=np.int64)
     if getattr(plan, "group_last", None) is not None:
-        from .plan import _rows_form_groups
+        from .plan import rows_form_groups
 
-        if not _rows_form_groups(table, plan.group_last):
+        if not rows_form_groups(table, plan.group_last):
             return ("the plan's row groups are not runs of one request's consecutive query tokens in this "
                     "table (a plan made with qo_indptr serves table.query_rows(qo_indptr))")
         pages = pages[plan.group_last]

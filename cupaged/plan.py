@@ -563,7 +563,7 @@ class DecodePlan:
         """True when this plan can serve ``table``: same batch size and page
         size, and every request still has ``request_chunks[i]`` chunks at this
         ``pages_per_chunk``; with row groups, each group's rows are still
-        consecutive tokens of one request (:func:`_rows_form_groups`) and the
+        consecutive tokens of one request (:func:`rows_form_groups`) and the
         counts are its last row's.  Cheap and vectorized (one pass over
         ``B``)."""
         if int(table.batch_size) != self.batch_size:
@@ -572,7 +572,7 @@ class DecodePlan:
             return False
         pages = np.asarray(table.request_pages, dtype=np.int64)
         if self.group_last is not None:
-            if not _rows_form_groups(table, self.group_last):
+            if not rows_form_groups(table, self.group_last):
                 return False
             pages = pages[self.group_last]
         counts = _chunks_per_request(pages, self.request_chunk_pages)
@@ -873,14 +873,14 @@ def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int
     return last
 
 
-def _group_leaders(group_last: np.ndarray) -> np.ndarray:
+def group_leaders(group_last: np.ndarray) -> np.ndarray:
     """Whether each row starts its row group (bool ``[B]``)."""
     lead = np.ones(group_last.shape[0], dtype=bool)
     np.not_equal(group_last[1:], group_last[:-1], out=lead[1:])
     return lead
 
 
-def _rows_form_groups(table: Any, group_last: np.ndarray) -> bool:
+def rows_form_groups(table: Any, group_last: np.ndarray) -> bool:
     """Whether ``table``'s rows can be ``group_last``'s row groups: each row
     after a group's first is the next token of the row before (one more
     visible slot, the same first page offset, and that row's last page at
@@ -888,7 +888,7 @@ def _rows_form_groups(table: Any, group_last: np.ndarray) -> bool:
     them. (O(B): the kernel reads a group's pages from its last row.)"""
     if not isinstance(table, PageTable) or group_last.shape[0] != table.batch_size:
         return False
-    follow = np.flatnonzero(~_group_leaders(group_last))
+    follow = np.flatnonzero(~group_leaders(group_last))
     if follow.size == 0:
         return True
     seq, off, pages = table.seq_lens, table.first_page_offset, table.request_pages
@@ -906,7 +906,7 @@ def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None, *args) -
     if group_last is None:
         target, chunk_pages, req_chunks = _chunking(pages, *args)
         return target, chunk_pages, req_chunks, int(np.add.reduce(req_chunks))
-    lead = _group_leaders(group_last)
+    lead = group_leaders(group_last)
     target, chunk_pages, req_chunks = _chunking(pages[lead], *args)
     of_group = np.cumsum(lead) - 1
     return target, chunk_pages[of_group], req_chunks[of_group], int(np.add.reduce(req_chunks))
