@@ -101,10 +101,23 @@ constexpr int MMA_SMEM_BYTES = CUPAGED_MMA_SMEM_KB * 1024;
 constexpr int MMA_MAX_STAGES = 8;
 
 // Shared-memory rows hold one token's head_dim of K or V in the cache's
-// storage type, padded by 16 bytes so ldmatrix's 8 rows hit distinct banks.
+// storage type. Rows of whole 128-byte lines (16-bit head_dim 64/128/256, fp8
+// 128/256) are unpadded, 16-byte chunk c of row r at c ^ (r % 8), so ldmatrix's
+// 8 rows hit distinct banks and every row starts 128-byte aligned. Why the
+// alignment: a cp.async quarter-warp whose 128-byte line lands across a 32-byte
+// boundary of shared memory has the L2 serve its sectors twice. Rows padded by
+// 16 bytes (the layout before 2026-12-01, kept for other row sizes) put every
+// second row there: 1.5x the K/V sectors through the L2 and 4.18 TB/s at
+// 128 x 16k fp16; unpadded, permuted and aligned: 1.00x and 4.49 TB/s (H200,
+// docs/architecture.md).
 template <typename KV, int HEAD_DIM>
 struct MmaLayout {
-  static constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(KV) + 16;
+  static constexpr int DATA_BYTES = HEAD_DIM * (int)sizeof(KV);
+  static constexpr bool SWIZZLE = DATA_BYTES % 128 == 0;
+  static constexpr int ROW_BYTES = SWIZZLE ? DATA_BYTES : DATA_BYTES + 16;
+  // Byte offset in its row of a row's 16-byte chunk at `byte` (r: the row, or
+  // any number equal to it mod 8).
+  __device__ __forceinline__ static int at(int r, int byte) { return SWIZZLE ? byte ^ ((r & 7) << 4) : byte; }
   static constexpr int CPR = HEAD_DIM * (int)sizeof(KV) / 16;  // 16-byte chunks per token row
   static constexpr int STAGE_BYTES = MMA_WARPS * 2 * MMA_TILE * ROW_BYTES;
   static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;
@@ -118,7 +131,7 @@ template <typename T, typename KV, int HEAD_DIM, int ROWS>
 struct MmaScratch {
   using L = MmaLayout<KV, HEAD_DIM>;
   int page_ids[PAGE_WINDOW];
-  union __align__(16) {
+  union __align__(128) {  // (with the 128-byte aligned dynamic shared memory: every row 128-byte aligned)
     unsigned char kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW_BYTES];  // [stage][warp][K or V][token][bytes]
     WarpStates<MMA_WARPS, ROWS, HEAD_DIM> combine;
   };
@@ -238,9 +251,10 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
           for (int pass = 0; pass < PASSES; ++pass) {
             const int r = lane / CPR + pass * ROWS_PER_PASS;
             const bool valid = base + r < s1;
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)],
+            const int at = L::at(r, col * (int)sizeof(KV));
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at],
                                               valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)],
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at],
                                               valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
           }
         } else {
@@ -272,8 +286,9 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
               kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
               vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
             }
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][col * (int)sizeof(KV)], kp, valid, policy);
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][col * (int)sizeof(KV)], vp, valid, policy);
+            const int at = L::at(r, col * (int)sizeof(KV));
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at], kp, valid, policy);
+            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at], vp, valid, policy);
           }
         }
       }
@@ -307,7 +322,8 @@ template <typename T, int HEAD_DIM, int HEADS, bool GROUPS>
 struct RowsTile {
   static_assert(HEADS <= 8, "query heads are MMA rows 0..7");
   using M = Mma<T>;
-  using Row = unsigned char[MmaLayout<T, HEAD_DIM>::ROW_BYTES];
+  using L = MmaLayout<T, HEAD_DIM>;
+  using Row = unsigned char[L::ROW_BYTES];
   static constexpr int KSTEPS = HEAD_DIM / 16, NT = HEAD_DIM / 8;  // k-steps; output n-tiles of 8 dims
   static constexpr int HALVES = GROUPS ? 2 : 1;  // MMA rows g (and g + 8) this lane keeps
   unsigned qa[HALVES][KSTEPS][2];  // Q A fragments: rows g (+8), columns 16k + 2t (+8)
@@ -344,7 +360,7 @@ struct RowsTile {
 #pragma unroll
       for (int k = 0; k < KSTEPS; k += 2) {
         unsigned b[4];
-        ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][(k * 16 + (lane / 8) * 8) * 2]);
+        ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][L::at(lane, (k * 16 + (lane / 8) * 8) * 2)]);
         M::mma(s[n], qa[0][k][0], GROUPS ? qa[HALVES - 1][k][0] : 0u, qa[0][k][1],
                GROUPS ? qa[HALVES - 1][k][1] : 0u, b[0], b[1]);
         M::mma(s[n], qa[0][k + 1][0], GROUPS ? qa[HALVES - 1][k + 1][0] : 0u, qa[0][k + 1][1],
@@ -416,7 +432,7 @@ struct RowsTile {
 #pragma unroll
     for (int n = 0; n < NT; n += 2) {
       unsigned b[4];
-      ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][(n * 8 + (lane / 16) * 8) * 2]);
+      ldmatrix_x4_trans(b, &vt[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, (n * 8 + (lane / 16) * 8) * 2)]);
       M::mma(o[n], pa0, pa1, pa2, pa3, b[0], b[1]);
       M::mma(o[n + 1], pa0, pa1, pa2, pa3, b[2], b[3]);
     }
@@ -456,7 +472,8 @@ template <typename T, int HEAD_DIM, int HEADS, bool GROUPS>
 struct ColsTile {
   static_assert(HEADS <= 8, "query heads are the MMA's 8 N columns");
   using M = Mma<f16>;  // e4m3 widens exactly to f16
-  using Row = unsigned char[MmaLayout<e4m3, HEAD_DIM>::ROW_BYTES];
+  using L = MmaLayout<e4m3, HEAD_DIM>;
+  using Row = unsigned char[L::ROW_BYTES];
   static constexpr int KSTEPS = HEAD_DIM / 16, MT = HEAD_DIM / 16;  // k-steps; O^T m-tiles of 16 dims
   unsigned qb[KSTEPS][2];  // Q^T B fragments (column g = query head g), permuted k order
   float o[MT][4];          // O^T rows (dims 16i + 2g, +1), columns (heads 2t, 2t + 1)
@@ -489,7 +506,7 @@ struct ColsTile {
 #pragma unroll
     for (int kb = 0; kb < HEAD_DIM / 32; ++kb) {
       unsigned a[4];
-      ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][kb * 32 + (lane / 16) * 16]);
+      ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, kb * 32 + (lane / 16) * 16)]);
       M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);
       M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0], qb[2 * kb + 1][1]);
     }
@@ -549,7 +566,7 @@ struct ColsTile {
 #pragma unroll
     for (int db = 0; db < HEAD_DIM / 32; ++db) {
       unsigned v[4];
-      ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][db * 32 + (lane / 16) * 16]);
+      ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, db * 32 + (lane / 16) * 16)]);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);

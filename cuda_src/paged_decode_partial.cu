@@ -134,7 +134,9 @@ struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS, GROUPS> {
   static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this
   static_assert(sizeof(Scratch) <= MMA_SMEM_BYTES, "MMA scratch exceeds its shared memory budget");
   __device__ __forceinline__ static Scratch& scratch() {
-    extern __shared__ uint4 dynamic_smem[];
+    // 128-byte aligned: the static is_last flag would otherwise put it at 16
+    // mod 32, and the K/V ring's rows must start on 128 bytes (MmaLayout).
+    extern __shared__ __align__(128) uint4 dynamic_smem[];
     return *reinterpret_cast<Scratch*>(dynamic_smem);
   }
   template <typename Emit, typename... Args>
