@@ -11,8 +11,9 @@
 //
 // Mapping: MMA_WARPS warps; each owns 16 consecutive tokens per stage and
 // keeps its own online softmax (mma_token_loop). K/V tiles go global ->
-// shared with cp.async (a ring of STAGES per warp, rows padded by 16 bytes so
-// ldmatrix is conflict-free). Two tile computations share that loop:
+// shared with cp.async (a ring of STAGES per warp; MmaLayout places the rows
+// so ldmatrix is conflict-free and the L2 serves each sector once). Two tile
+// computations share that loop:
 // RowsTile (16-bit KV: query heads as the M rows of S = Q.K^T, rows 8..15
 // zero, P straight from the S accumulators into P.V) and ColsTile (fp8 KV:
 // transposed, S^T = K.Q^T and O^T += V^T.P^T with heads as the N columns).
