@@ -2,10 +2,10 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
-#        check ragged ragged_bench sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
+#        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
 #        ncu_sectors variants spec precompile
 # (default: tests sanitize bench)
-# (carry .peer for bench/issue5/ragged_bench/ncu_compare/spec, .nbpeer for notebook, .ab for ab and the
+# (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
 #  keep one call under 10 minutes)
 set -uo pipefail
@@ -38,6 +38,9 @@ steps:
   ragged      correctness sweep --ragged and --ragged --force-merge, and
               compute-sanitizer memcheck of the ragged-batch GPU tests
   ragged_bench  the ragged-batch family against FlashInfer (fp16, bf16, fp8)
+  large       issue 20's targets: the issue-5 suite's v2 and FlashInfer columns (env LARGE_GROUPS,
+              default main-fp16-p16 main-bf16-p16 mha-fp16-p16), then scripts/large_report.py
+              (env LARGE_BASELINE: another run's microbench-issue5.csv for the no-slower check)
   sweep       chunk sweep of the ragged family, fp16 (the planner check)
   sweep8      chunk sweep of the ragged family, fp8 (every second cap)
   runtime     GPU tests of the serving runtime, the kernels it changed, sinks,
@@ -113,7 +116,11 @@ for s in $steps; do case $s in
   ragged) run correctness_ragged 90 "python3 scripts/correctness.py --ragged --csv $work/correctness_ragged.csv"
           run correctness_ragged_merge 90 "python3 scripts/correctness.py --ragged --force-merge --csv $work/correctness_ragged_merge.csv"
           run memcheck_ragged 110 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py -k 'ragged'" ;;
-  ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged" ;;
+  ragged_bench) run ragged_bench 330 "$peer python3 scripts/microbench.py --lengths family --out-dir $work/ragged ${CUPAGED_COMMIT:+--commit $CUPAGED_COMMIT}" ;;
+  large)  # issue 20: the issue-5 suite's v2 and FlashInfer columns, then its targets per cell
+    run large_suite 420 "$peer python3 scripts/microbench.py --suite issue5 --methods v2 flashinfer --groups ${LARGE_GROUPS:-main-fp16-p16 main-bf16-p16 mha-fp16-p16} --out-dir $work/large ${CUPAGED_COMMIT:+--commit $CUPAGED_COMMIT}"
+    run large_report 60 "python3 scripts/large_report.py $work/large/microbench-issue5.csv --out $work/large/h200-large ${LARGE_BASELINE:+--baseline $LARGE_BASELINE --baseline-label ${LARGE_BASELINE_LABEL:-baseline}}"
+    cat "$work/large_report.log" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
   sweep8) run sweep_ragged8 330 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick --rounds ${SWEEP_ROUNDS:-2} --csv $work/sweep_ragged8.csv" ;;
   runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
