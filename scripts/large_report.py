@@ -216,8 +216,12 @@ def write(rows: Sequence[Mapping[str, Any]], prefix: str | Path, meta: Mapping[s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="large_report.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="large_report.py",
+        description="Mark the large-batch targets (KV >= 256 MB: no slower than FlashInfer-best and >= 4.45 / "
+                    "4.2 TB/s; KV <= 64 MB: <= bytes / 4.59 TB/s + 4 us over distinct caches; optionally no "
+                    "slower than a baseline run) per cell of a microbench.py --suite issue5 CSV, and write "
+                    "PREFIX.csv, PREFIX.md and PREFIX.png.")
     p.add_argument("csv", nargs="+", help="microbench --suite issue5 CSV(s)")
     p.add_argument("--out", required=True, help="output prefix: writes PREFIX.csv, .md and .png")
     p.add_argument("--baseline", nargs="*", default=None, help="another suite run's CSV(s): the no-slower check")
