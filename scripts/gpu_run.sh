@@ -3,9 +3,9 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec precompile
+#        ncu_sectors variants spec windows precompile
 # (default: tests sanitize bench)
-# (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec, .nbpeer for notebook, .ab for ab and the
+# (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
 #  keep one call under 10 minutes)
 set -uo pipefail
@@ -49,6 +49,8 @@ steps:
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
+  windows     sliding windows against the full call and FlashInfer's window_left decode
+              (window_bench.py; ctx 32768, batch 1/8/32, W 1024/4096/16384)
   spec        speculative-decode shapes (q_len 2-8) against FlashInfer's paged prefill
               (spec_bench.py; env SPEC_ARGS adds options, e.g. "--backends fa2")
   roofline    HBM read roofline: 8 GB read with int4 loads and with
@@ -127,6 +129,7 @@ for s in $steps; do case $s in
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
+  windows) run window_bench 330 "$peer python3 scripts/window_bench.py --csv $work/windows.csv --md $work/windows.md ${CUPAGED_COMMIT:+--commit $CUPAGED_COMMIT}" ;;
   spec) run spec_bench 330 "$peer python3 scripts/spec_bench.py ${SPEC_ARGS:-} --csv $work/spec.csv --md $work/spec.md" ;;
   features2) run feature_cost 220 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;
   roofline) run roofline 120 "python3 scripts/roofline.py --csv $work/roofline.csv" ;;
