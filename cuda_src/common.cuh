@@ -136,6 +136,22 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Programmatic dependent launch (sm_90; env CUPAGED_PDL launches with it):
+// once every CTA of this kernel has called pdl_trigger, the next kernel in
+// the stream may start; pdl_wait returns once the previous kernel has
+// finished and its writes are visible. Both are no-ops for a launch that
+// did not allow the overlap.
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Bytes of dynamic shared memory this launch was given.
 __device__ __forceinline__ unsigned dynamic_smem_size() {
   unsigned r;

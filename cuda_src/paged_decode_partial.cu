@@ -155,6 +155,7 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
   // A launch with less dynamic shared memory than the core needs would write
   // past it: fail loudly instead (the host passes _configs.dynamic_smem()).
   if (Attn::DYNAMIC_SMEM > 0 && dynamic_smem_size() < (unsigned)Attn::DYNAMIC_SMEM) __trap();
+  pdl_trigger();  // (the next kernel's CTAs then take SMs this grid's last wave frees)
   const int heads_groups = p.heads_groups, q_groups = p.q_groups, num_qo_heads = p.num_qo_heads;
   const int unit = blockIdx.x / heads_groups, y = blockIdx.x - unit * heads_groups;
   // The header and this CTA's unit load side by side (the unit slot is inside
@@ -180,6 +181,10 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
   int slot_begin, slot_end;
   visible_slots(pages, p.plan[h1.x + last], last_len, page_size, w.z, min(w.w, pages), slot_begin, slot_end);
   const int* indices = p.plan + h1.y + page0;
+  // Up to here only the plan image was read (host-written, before the
+  // previous kernel in stream order); q, the scales, the caches, the
+  // workspace and out may be the previous kernel's.
+  pdl_wait();
 
   const T* q_cta = static_cast<const T*>(p.q) + req * p.stride_q_batch + head0 * p.stride_q_head;
   const ScoreMap sc{p.k_head_scale == nullptr ? p.scale : p.scale * p.k_head_scale[kv_head], p.soft_cap,

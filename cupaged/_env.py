@@ -12,6 +12,7 @@ variable                   read by                                     when
 =========================  ==========================================  =============
 ``CUPAGED_DECODE``         :func:`cupaged.decode` (``method="auto"``)  every call
 ``CUPAGED_CORE``           the v2 launch state of a plan               first launch
+``CUPAGED_PDL``            the v2 launch state of a plan               first launch
 ``CUPAGED_TARGET_CTAS``    :func:`cupaged.plan_decode`                 every call
 ``CUPAGED_NUM_SMS``        :func:`cupaged.plan_decode` (no GPU)        every call
 ``CUPAGED_CACHE_DIR``      :mod:`cupaged.autotune`                     every call
@@ -42,6 +43,7 @@ from .errors import InvalidArgumentError, UnsupportedConfigError
 
 DECODE = "CUPAGED_DECODE"
 CORE = "CUPAGED_CORE"
+PDL = "CUPAGED_PDL"
 TARGET_CTAS = "CUPAGED_TARGET_CTAS"
 NUM_SMS = "CUPAGED_NUM_SMS"
 CACHE_DIR = "CUPAGED_CACHE_DIR"
@@ -51,7 +53,7 @@ MMA_WARPS = "CUPAGED_MMA_WARPS"
 MMA_MIN_BLOCKS = "CUPAGED_MMA_MIN_BLOCKS"
 
 #: Every variable cupaged reads, in the order of the README's table.
-VARIABLES: tuple[str, ...] = (DECODE, CORE, TARGET_CTAS, NUM_SMS, CACHE_DIR, CUDA_SRC,
+VARIABLES: tuple[str, ...] = (DECODE, CORE, PDL, TARGET_CTAS, NUM_SMS, CACHE_DIR, CUDA_SRC,
                               MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS)
 
 #: Values of CUPAGED_DECODE (the ``method`` of :func:`cupaged.decode`).
@@ -126,6 +128,15 @@ def core() -> str | None:
     if raw is not None and raw not in CORES:
         raise UnsupportedConfigError(f"environment variable {CORE}={raw!r} must be one of {CORES} (or unset)")
     return raw
+
+
+def pdl() -> bool:
+    """``CUPAGED_PDL``: 1 launches the v2 partial kernel with programmatic
+    dependent launch (its CTAs may start during the previous kernel's tail
+    and wait in ``griddepcontrol.wait`` before touching memory that kernel
+    may write); 0 or unset: ordinary launches. Experimental (not yet
+    measured on a GPU)."""
+    return bool(_int(PDL, 0, 0, 1))
 
 
 def target_ctas() -> int | None:

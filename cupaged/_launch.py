@@ -9,6 +9,8 @@ and :class:`cupaged.DecodeRunner`.
   A new table or plan is one host-to-device copy from pinned memory into a
   buffer whose address never changes, so a CUDA graph captured once replays
   every later plan that fits the buffer.
+* :class:`PdlLauncher` launches with programmatic dependent launch (env
+  ``CUPAGED_PDL=1``; experimental).
 * :class:`PartialLaunch` owns, for one device and one stream, the compiled
   function, the image buffer, the merge workspace and counters, and the
   packed parameters; a launch rewrites only the fields that changed.
@@ -19,6 +21,7 @@ No check happens here: callers validate their arguments first.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -34,6 +37,58 @@ def elem_strides(a, ndim: int) -> tuple:
     """The first ``ndim`` strides of ``a`` in elements, as int64 kernel arguments."""
     isz = a.itemsize
     return tuple(np.int64(s // isz) for s in a.strides[:ndim])
+
+
+class LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute`` (cuda.h): an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig`` (cuda.h), the first argument of ``cuLaunchKernelEx``."""
+
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h, CUDA >= 11.8)
+ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class PdlLauncher:
+    """``cuLaunchKernelEx`` (the driver API through ctypes: CuPy wraps only
+    ``cuLaunchKernel``) with programmatic stream serialization allowed, called
+    like ``cupy_backends.cuda.api.driver.launchKernel``. The kernel may then
+    start while the stream's previous kernel finishes; the partial kernel
+    waits in ``griddepcontrol.wait`` before it reads q, the caches or the
+    workspace or writes anything (cuda_src/paged_decode_partial.cu). One per
+    launch state: the config struct is reused under that state's lock."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
+        self._fn = lib.cuLaunchKernelEx
+        self._fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+        self._error_name = lib.cuGetErrorName
+        self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self._attr = LaunchAttribute(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self._attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int at the union's start)
+        self._config = LaunchConfig(attrs=ctypes.pointer(self._attr), numAttrs=1)
+        self._config_ref = ctypes.byref(self._config)
+
+    def __call__(self, function: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
+                 stream: int, params: int, extra: int) -> None:
+        c = self._config
+        c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ = gx, gy, gz, bx, by, bz
+        c.sharedMemBytes, c.hStream = smem, stream
+        err = self._fn(self._config_ref, function, params, extra or None)
+        if err:
+            name = ctypes.c_char_p()
+            self._error_name(err, ctypes.byref(name))
+            raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'?').decode()} ({err})")
 
 
 class PartialParams(ctypes.Structure):
@@ -172,7 +227,7 @@ class PartialLaunch:
         # states are keyed by their plan and must not keep it alive)
         self.units = None  # the image's unit count
         self._current_stream = cupy.cuda.get_current_stream
-        self._launch = driver.launchKernel
+        self._launch = PdlLauncher() if _env.pdl() else driver.launchKernel
         self._memcpy = cupy.cuda.runtime.memcpyAsync
 
     def _alloc(self, max_batch: int, max_units: int, max_pages: int, num_qo_heads: int) -> None:

@@ -3,7 +3,7 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec windows precompile
+#        ncu_sectors variants spec windows pdl precompile
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
@@ -49,6 +49,9 @@ steps:
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
+  pdl         programmatic dependent launch (env CUPAGED_PDL=1): tests/test_pdl.py, then the
+              small main-fp16 cells (batch 1-32 x ctx 1k/4k) without and with it (large_report.py
+              marks each against the run without)
   windows     sliding windows against the full call and FlashInfer's window_left decode
               (window_bench.py; ctx 32768, batch 1/8/32, W 1024/4096/16384)
   spec        speculative-decode shapes (q_len 2-8) against FlashInfer's paged prefill
@@ -129,6 +132,13 @@ for s in $steps; do case $s in
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
+  pdl)  # programmatic dependent launch (env CUPAGED_PDL=1): its GPU tests, then small cells without and with it
+    run pdl_tests 200 "python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pdl.py"
+    for v in 0 1; do
+      run "pdl_ab_$v" 200 "CUPAGED_PDL=$v python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --batch 1 4 8 32 --ctx 1024 4096 --budget-s 150 --out-dir $work/pdl_$v"
+    done
+    run pdl_compare 30 "python3 scripts/large_report.py $work/pdl_1/microbench-issue5.csv --baseline $work/pdl_0/microbench-issue5.csv --baseline-label CUPAGED_PDL=0 --out $work/pdl_report"
+    cat "$work/pdl_compare.log"; grep "^| main" "$work/pdl_report.md" ;;
   windows) run window_bench 330 "$peer python3 scripts/window_bench.py --csv $work/windows.csv --md $work/windows.md ${CUPAGED_COMMIT:+--commit $CUPAGED_COMMIT}" ;;
   spec) run spec_bench 330 "$peer python3 scripts/spec_bench.py ${SPEC_ARGS:-} --csv $work/spec.csv --md $work/spec.md" ;;
   features2) run feature_cost 220 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;

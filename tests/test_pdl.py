@@ -1,0 +1,101 @@
+"""Programmatic dependent launch of the partial kernel (env CUPAGED_PDL=1):
+the ctypes mirror of cuLaunchKernelEx's structs (CPU), and on the GPU
+decode calls launched back to back without a sync in between (each may start
+during the previous one's tail and share its workspace) and the runner's
+append_kv + decode graph, every result against the float64 reference."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import cupaged
+from cupaged import _env, _launch, reference
+from helpers import check_close, make_caches, make_query
+
+
+def test_launch_structs_match_cuda_h():
+    # CUlaunchAttribute: id (4) + pad (4) + a 64-byte union; CUlaunchConfig: 7 uints, then 8-byte aligned
+    # hStream, attrs and numAttrs (cuda.h, CUDA 12/13, LP64)
+    assert ctypes.sizeof(_launch.LaunchAttribute) == 72 and _launch.LaunchAttribute.value.offset == 8
+    cfg = _launch.LaunchConfig
+    assert (cfg.sharedMemBytes.offset, cfg.hStream.offset, cfg.attrs.offset, cfg.numAttrs.offset) == (24, 32, 40, 48)
+    assert ctypes.sizeof(cfg) == 56
+
+
+@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_env_pdl(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("CUPAGED_PDL", raising=False)
+    else:
+        monkeypatch.setenv("CUPAGED_PDL", value)
+    assert _env.pdl() is expected
+
+
+def test_env_pdl_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("CUPAGED_PDL", "yes")
+    with pytest.raises(ValueError, match="CUPAGED_PDL"):
+        _env.pdl()
+
+
+def _count_pdl_launches(monkeypatch) -> list:
+    calls = []
+    real = _launch.PdlLauncher.__call__
+
+    def counted(self, *args):
+        calls.append(args[1])  # grid x
+        return real(self, *args)
+
+    monkeypatch.setattr(_launch.PdlLauncher, "__call__", counted)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merged", [False, True], ids=["single_chunk", "merged"])
+def test_layers_back_to_back(merged, monkeypatch):
+    """Four layers' calls with one plan queued without a sync: with a merge,
+    every call reuses the plan's workspace and counters, so a call that did
+    not wait for the one before would read or reset its partials."""
+    import cupy as cp
+
+    monkeypatch.setenv("CUPAGED_PDL", "1")
+    launches = _count_pdl_launches(monkeypatch)
+    rng = np.random.default_rng(91)
+    from test_gpu_decode import batch
+
+    dev, table, host = batch(91, [300, 41, 1700, 16, 5000], mid_page=True)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, target_ctas=10**6 if merged else 1)
+    assert plan.needs_merge == merged
+    layers = [host[1:]] + [make_caches(rng, table, host[1].shape[0], 8, 128, np.float16) for _ in range(3)]
+    qs = [make_query(rng, 5, 32, 128, np.float16) for _ in layers]
+    dev_layers = [(cp.asarray(q), cp.asarray(k), cp.asarray(v)) for q, (k, v) in zip(qs, layers)]
+    outs = [cp.full((5, 32, 128), np.nan, dtype=cp.float16) for _ in layers]
+    lses = [cp.full((5, 32), np.nan, dtype=cp.float32) for _ in layers]
+    cp.cuda.runtime.deviceSynchronize()
+    for _ in range(2):  # the first round builds the launch state, the second takes the hot path
+        for (q, k, v), out, lse in zip(dev_layers, outs, lses):
+            cupaged.decode(q, k, v, table, plan, out=out, lse=lse, return_lse=True)
+        cp.cuda.runtime.deviceSynchronize()
+        for q_h, (k_h, v_h), out, lse in zip(qs, layers, outs, lses):
+            check_close(out.get().astype(np.float64), lse.get().astype(np.float64),
+                        *reference.decode(q_h, k_h, v_h, table), np.float16)
+            out.fill(np.nan)
+            lse.fill(np.nan)
+    assert len(launches) == 2 * len(layers)
+
+
+@pytest.mark.gpu
+def test_runner_graph_with_pdl(monkeypatch):
+    """The runner's captured step (append_kv, then decode reading the token
+    it wrote, for 3 layers) replayed over changing batches, launched with PDL."""
+    import cupy as cp
+
+    import test_runner
+
+    monkeypatch.setenv("CUPAGED_PDL", "1")
+    launches = _count_pdl_launches(monkeypatch)
+    with cp.cuda.Stream(non_blocking=True):
+        test_runner._graph_case(cp)
+    assert launches  # the runner's launches went through cuLaunchKernelEx
