@@ -136,18 +136,18 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Programmatic dependent launch (sm_90; env CUPAGED_PDL launches with it):
-// once every CTA of this kernel has called pdl_trigger, the next kernel in
-// the stream may start; pdl_wait returns once the previous kernel has
-// finished and its writes are visible. Both are no-ops for a launch that
-// did not allow the overlap.
+// Programmatic dependent launch (sm_90; compiled in with CUPAGED_PDL, which
+// env CUPAGED_PDL=1 defines and whose launches allow the overlap): once every
+// CTA of this kernel has called pdl_trigger, the next kernel in the stream
+// may start; pdl_wait returns once the previous kernel has finished and its
+// writes are visible. Without CUPAGED_PDL both are empty.
 __device__ __forceinline__ void pdl_trigger() {
-#if __CUDA_ARCH__ >= 900
+#if defined(CUPAGED_PDL) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 __device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
+#if defined(CUPAGED_PDL) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }

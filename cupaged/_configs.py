@@ -56,6 +56,11 @@ MMA_MIN_BLOCKS: int = _env.mma_min_blocks()
 # bound too; their plans were not re-measured, so they keep it.)
 MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2) else MMA_MIN_BLOCKS
 
+# Programmatic dependent launch of the partial kernel (env CUPAGED_PDL=1, read
+# at import: the kernel's griddepcontrol instructions are compiled in only
+# then, and its launches go through cuLaunchKernelEx; experimental).
+PDL: bool = _env.pdl()
+
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
 # name -> (C++ enumerator, threads per CTA, dtypes, head dims it serves).
 # Tensor cores for 16-bit KV up to head_dim 128 (at 256 the accumulators no
@@ -195,7 +200,7 @@ def dynamic_smem(core: str) -> int:
 def nvrtc_defines() -> tuple[str, ...]:
     """Preprocessor options that must match the launch parameters above."""
     return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB}", f"-DCUPAGED_MMA_WARPS={MMA_WARPS}",
-            f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}")
+            f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}", *(("-DCUPAGED_PDL=1",) if PDL else ()))
 
 
 def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str,

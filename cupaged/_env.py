@@ -12,7 +12,6 @@ variable                   read by                                     when
 =========================  ==========================================  =============
 ``CUPAGED_DECODE``         :func:`cupaged.decode` (``method="auto"``)  every call
 ``CUPAGED_CORE``           the v2 launch state of a plan               first launch
-``CUPAGED_PDL``            the v2 launch state of a plan               first launch
 ``CUPAGED_TARGET_CTAS``    :func:`cupaged.plan_decode`                 every call
 ``CUPAGED_NUM_SMS``        :func:`cupaged.plan_decode` (no GPU)        every call
 ``CUPAGED_CACHE_DIR``      :mod:`cupaged.autotune`                     every call
@@ -20,6 +19,7 @@ variable                   read by                                     when
 ``CUPAGED_MMA_SMEM_KB``    ``cupaged._configs``                        import
 ``CUPAGED_MMA_WARPS``      ``cupaged._configs``                        import
 ``CUPAGED_MMA_MIN_BLOCKS`` ``cupaged._configs``                        import
+``CUPAGED_PDL``            ``cupaged._configs``                        import
 =========================  ==========================================  =============
 
 The variables read at import configure the compiled kernels (the same value
@@ -53,8 +53,8 @@ MMA_WARPS = "CUPAGED_MMA_WARPS"
 MMA_MIN_BLOCKS = "CUPAGED_MMA_MIN_BLOCKS"
 
 #: Every variable cupaged reads, in the order of the README's table.
-VARIABLES: tuple[str, ...] = (DECODE, CORE, PDL, TARGET_CTAS, NUM_SMS, CACHE_DIR, CUDA_SRC,
-                              MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS)
+VARIABLES: tuple[str, ...] = (DECODE, CORE, TARGET_CTAS, NUM_SMS, CACHE_DIR, CUDA_SRC,
+                              MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS, PDL)
 
 #: Values of CUPAGED_DECODE (the ``method`` of :func:`cupaged.decode`).
 METHODS: tuple[str, ...] = ("auto", "v2", "v1", "gather")
@@ -131,11 +131,11 @@ def core() -> str | None:
 
 
 def pdl() -> bool:
-    """``CUPAGED_PDL``: 1 launches the v2 partial kernel with programmatic
-    dependent launch (its CTAs may start during the previous kernel's tail
-    and wait in ``griddepcontrol.wait`` before touching memory that kernel
-    may write); 0 or unset: ordinary launches. Experimental (not yet
-    measured on a GPU)."""
+    """``CUPAGED_PDL``: 1 compiles the partial kernel with programmatic
+    dependent launch and launches it so (its CTAs may start during the
+    previous kernel's tail and wait in ``griddepcontrol.wait`` before
+    touching memory that kernel may write); 0 or unset: the ordinary kernel
+    and launch. Experimental (not yet measured on a GPU)."""
     return bool(_int(PDL, 0, 0, 1))
 
 

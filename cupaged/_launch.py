@@ -10,7 +10,7 @@ and :class:`cupaged.DecodeRunner`.
   buffer whose address never changes, so a CUDA graph captured once replays
   every later plan that fits the buffer.
 * :class:`PdlLauncher` launches with programmatic dependent launch (env
-  ``CUPAGED_PDL=1``; experimental).
+  ``CUPAGED_PDL=1`` at import; experimental).
 * :class:`PartialLaunch` owns, for one device and one stream, the compiled
   function, the image buffer, the merge workspace and counters, and the
   packed parameters; a launch rewrites only the fields that changed.
@@ -227,7 +227,7 @@ class PartialLaunch:
         # states are keyed by their plan and must not keep it alive)
         self.units = None  # the image's unit count
         self._current_stream = cupy.cuda.get_current_stream
-        self._launch = PdlLauncher() if _env.pdl() else driver.launchKernel
+        self._launch = PdlLauncher() if _configs.PDL else driver.launchKernel
         self._memcpy = cupy.cuda.runtime.memcpyAsync
 
     def _alloc(self, max_batch: int, max_units: int, max_pages: int, num_qo_heads: int) -> None:

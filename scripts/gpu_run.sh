@@ -49,7 +49,8 @@ steps:
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
-  pdl         programmatic dependent launch (env CUPAGED_PDL=1): tests/test_pdl.py, then the
+  pdl         programmatic dependent launch (env CUPAGED_PDL=1): tests/test_pdl.py and the decode,
+              hot-path and runner GPU tests under it, then the
               small main-fp16 cells (batch 1-32 x ctx 1k/4k) without and with it (large_report.py
               marks each against the run without)
   windows     sliding windows against the full call and FlashInfer's window_left decode
@@ -133,7 +134,7 @@ for s in $steps; do case $s in
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
   pdl)  # programmatic dependent launch (env CUPAGED_PDL=1): its GPU tests, then small cells without and with it
-    run pdl_tests 200 "python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pdl.py"
+    run pdl_tests 280 "CUPAGED_PDL=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pdl.py tests/test_hot_path.py tests/test_runner.py tests/test_gpu_decode.py -k 'pdl or hot or runner or v2_matches_reference or ragged or graph'"
     for v in 0 1; do
       run "pdl_ab_$v" 200 "CUPAGED_PDL=$v python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --batch 1 4 8 32 --ctx 1024 4096 --budget-s 150 --out-dir $work/pdl_$v"
     done

@@ -1,8 +1,10 @@
-"""Programmatic dependent launch of the partial kernel (env CUPAGED_PDL=1):
-the ctypes mirror of cuLaunchKernelEx's structs (CPU), and on the GPU
-decode calls launched back to back without a sync in between (each may start
-during the previous one's tail and share its workspace) and the runner's
-append_kv + decode graph, every result against the float64 reference."""
+"""Programmatic dependent launch of the partial kernel (env CUPAGED_PDL=1,
+read at import): the ctypes mirror of cuLaunchKernelEx's structs and the
+variable (CPU), and on the GPU, in a process started with CUPAGED_PDL=1
+(``scripts/gpu_run.sh OUT pdl``; skipped otherwise), decode calls launched
+back to back without a sync in between (each may start during the previous
+one's tail and share its workspace) and the runner's append_kv + decode
+graph, every result against the float64 reference."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import cupaged
-from cupaged import _env, _launch, reference
+from cupaged import _configs, _env, _launch, reference
 from helpers import check_close, make_caches, make_query
 
 
@@ -52,7 +54,11 @@ def _count_pdl_launches(monkeypatch) -> list:
     return calls
 
 
+needs_pdl = pytest.mark.skipif(not _configs.PDL, reason="needs CUPAGED_PDL=1 at import (gpu_run.sh step pdl)")
+
+
 @pytest.mark.gpu
+@needs_pdl
 @pytest.mark.parametrize("merged", [False, True], ids=["single_chunk", "merged"])
 def test_layers_back_to_back(merged, monkeypatch):
     """Four layers' calls with one plan queued without a sync: with a merge,
@@ -60,7 +66,6 @@ def test_layers_back_to_back(merged, monkeypatch):
     not wait for the one before would read or reset its partials."""
     import cupy as cp
 
-    monkeypatch.setenv("CUPAGED_PDL", "1")
     launches = _count_pdl_launches(monkeypatch)
     rng = np.random.default_rng(91)
     from test_gpu_decode import batch
@@ -87,6 +92,7 @@ def test_layers_back_to_back(merged, monkeypatch):
 
 
 @pytest.mark.gpu
+@needs_pdl
 def test_runner_graph_with_pdl(monkeypatch):
     """The runner's captured step (append_kv, then decode reading the token
     it wrote, for 3 layers) replayed over changing batches, launched with PDL."""
@@ -94,7 +100,6 @@ def test_runner_graph_with_pdl(monkeypatch):
 
     import test_runner
 
-    monkeypatch.setenv("CUPAGED_PDL", "1")
     launches = _count_pdl_launches(monkeypatch)
     with cp.cuda.Stream(non_blocking=True):
         test_runner._graph_case(cp)
