@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common  # noqa: E402
-from spec_bench import NOISY_PCT, TOL, WORKSPACE_BYTES, max_rel_err, on_cupy_stream, spread_pct  # noqa: E402
+from spec_bench import (NOISY_PCT, TOL, WORKSPACE_BYTES, max_rel_err, on_cupy_stream,  # noqa: E402
+                        spread_pct, time_calls)
 
 HQ, HKV, D, P, ITEMSIZE = 32, 8, 128, 16, 2  # fp16
 CELLS = ((1, 32768), (8, 32768), (32, 32768))
@@ -134,22 +135,6 @@ def _rotating(fns):
     return call
 
 
-def _time(calls: dict, rounds: int, notes: list) -> dict:
-    from cupaged.testing import GraphTimer
-
-    timers = {}
-    for name, fn in calls.items():
-        try:
-            timers[name] = GraphTimer(fn)
-        except Exception as e:
-            notes.append(f"{name} not timed: {type(e).__name__}: {e}"[:160])
-    times = {name: [] for name in timers}
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            times[name].append(timer.time_us(3))
-    return times
-
-
 def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
     """Yield one finished row per window of one cell."""
     import cupy
@@ -204,7 +189,7 @@ def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
                 errs[name] = max_rel_err(outs[name], outs["v2"])
                 if not errs[name] <= TOL:
                     notes.append(f"{name} differs from v2: max rel err {errs[name]:.3g} > {TOL}")
-        times = _time(calls, rounds, notes)
+        times = time_calls(calls, rounds, notes)  # graph replay (CUDA events where capture fails)
         spreads = {name: spread_pct(t) for name, t in times.items()}
         notes += [f"{n} noisy: spread {s:.0f}%" for n, s in spreads.items() if s > NOISY_PCT]
         row = {"batch": batch, "ctx": ctx, "window": w, "copies": copies, "v2_spread_pct": spreads.get("v2"),
