@@ -72,37 +72,19 @@ __device__ __forceinline__ unsigned append_e4m3x2(float lo, float hi) {
 #endif
 }
 
-// Floats -> one 16-byte vector of T (round to nearest even).
-template <typename T> struct AppendPack;
+// Floats -> one 16-byte vector of T (round to nearest even): 16-bit T as
+// Storage<T>::bits (f16 saturating as every output store does), float as is.
+template <typename T> struct AppendPack {
+  __device__ __forceinline__ static uint4 pack(const float* f) {
+    using S = Storage<T>;
+    return make_uint4(S::bits(f[0]) | S::bits(f[1]) << 16, S::bits(f[2]) | S::bits(f[3]) << 16,
+                      S::bits(f[4]) | S::bits(f[5]) << 16, S::bits(f[6]) | S::bits(f[7]) << 16);
+  }
+};
 
 template <> struct AppendPack<float> {
   __device__ __forceinline__ static uint4 pack(const float* f) {
     return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
-  }
-};
-
-template <> struct AppendPack<f16> {
-  __device__ __forceinline__ static unsigned one(float x) {
-    if (fabsf(x) > 65504.f && fabsf(x) != __int_as_float(0x7f800000)) x = copysignf(65504.f, x);
-    unsigned short r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-  }
-  __device__ __forceinline__ static uint4 pack(const float* f) {
-    return make_uint4(one(f[0]) | one(f[1]) << 16, one(f[2]) | one(f[3]) << 16,
-                      one(f[4]) | one(f[5]) << 16, one(f[6]) | one(f[7]) << 16);
-  }
-};
-
-template <> struct AppendPack<bf16> {
-  __device__ __forceinline__ static unsigned one(float x) {
-    unsigned short r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    return r;
-  }
-  __device__ __forceinline__ static uint4 pack(const float* f) {
-    return make_uint4(one(f[0]) | one(f[1]) << 16, one(f[2]) | one(f[3]) << 16,
-                      one(f[4]) | one(f[5]) << 16, one(f[6]) | one(f[7]) << 16);
   }
 };
 

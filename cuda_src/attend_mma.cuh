@@ -48,11 +48,7 @@ template <> struct Mma<f16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
-  __device__ __forceinline__ static unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-  }
+  __device__ __forceinline__ static unsigned pack(float lo, float hi) { return float2_to_f16x2(lo, hi); }
 };
 template <> struct Mma<bf16> {
   __device__ __forceinline__ static void mma(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,

@@ -71,15 +71,17 @@ template <> struct Storage<f16> {
     half2_to_float2(v.x, f[0], f[1]); half2_to_float2(v.y, f[2], f[3]);
     half2_to_float2(v.z, f[4], f[5]); half2_to_float2(v.w, f[6], f[7]);
   }
-  __device__ __forceinline__ static void store(f16* p, float x) {
-    // Outputs are convex combinations of f16 values, so a finite x beyond
-    // 65504 is rounding (P rounded for the tensor cores): saturate it rather
-    // than store inf. inf and NaN pass through.
+  // The f16 bits of x (round to nearest even, zero-extended). Outputs are
+  // convex combinations of f16 values, so a finite x beyond 65504 is
+  // rounding (P rounded for the tensor cores): saturate it rather than store
+  // inf. inf and NaN pass through.
+  __device__ __forceinline__ static unsigned bits(float x) {
     if (fabsf(x) > 65504.f && fabsf(x) != __int_as_float(0x7f800000)) x = copysignf(65504.f, x);
     unsigned short r;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    p->bits = r;
+    return r;
   }
+  __device__ __forceinline__ static void store(f16* p, float x) { p->bits = (unsigned short)bits(x); }
 };
 
 template <> struct Storage<bf16> {
@@ -91,11 +93,13 @@ template <> struct Storage<bf16> {
     f[4] = __uint_as_float(v.z << 16); f[5] = __uint_as_float(v.z & 0xffff0000u);
     f[6] = __uint_as_float(v.w << 16); f[7] = __uint_as_float(v.w & 0xffff0000u);
   }
-  __device__ __forceinline__ static void store(bf16* p, float x) {
+  // The bf16 bits of x (round to nearest even, zero-extended).
+  __device__ __forceinline__ static unsigned bits(float x) {
     unsigned short r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
-    p->bits = r;
+    return r;
   }
+  __device__ __forceinline__ static void store(bf16* p, float x) { p->bits = (unsigned short)bits(x); }
 };
 
 // Read-only 16-byte load through the non-coherent path.

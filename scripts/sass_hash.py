@@ -62,25 +62,37 @@ def module_hashes(family: str, dtype: str, head_dim: int) -> dict[str, str]:
     return {lowered.get(k, k): hashlib.sha256(v).hexdigest()[:16] for k, v in sorted(sections.items())}
 
 
-def all_hashes(families: list[str] | None) -> dict[str, str]:
+def _module_entry(module: tuple[str, str, int]) -> dict[str, str]:
+    family, dtype, head_dim = module
+    return {f"{family}/{dtype}/{head_dim}: {name}": digest
+            for name, digest in module_hashes(family, dtype, head_dim).items()}
+
+
+def all_hashes(families: list[str] | None, jobs: int = 1) -> dict[str, str]:
+    """Every selected module's hashes, ``jobs`` modules compiling at once."""
+    from concurrent.futures import ProcessPoolExecutor
+
     from cupaged import _configs
 
+    modules = [m for m in _configs.all_modules() if not families or m[0] in families]
     out = {}
-    for family, dtype, head_dim in _configs.all_modules():
-        if families and family not in families:
-            continue
-        for name, digest in module_hashes(family, dtype, head_dim).items():
-            out[f"{family}/{dtype}/{head_dim}: {name}"] = digest
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            for entry in pool.map(_module_entry, modules):
+                out.update(entry)
+    else:
+        for m in modules:
+            out.update(_module_entry(m))
     return out
 
 
-def _hashes_of(src: Path | None, families: list[str] | None) -> dict[str, str]:
+def _hashes_of(src: Path | None, families: list[str] | None, jobs: int) -> dict[str, str]:
     """Hashes computed in a child process whose CUPAGED_CUDA_SRC is ``src``
     (the loader reads it at import)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if src is not None:
         env["CUPAGED_CUDA_SRC"] = str(src)
-    cmd = [sys.executable, __file__, "--raw", *(["--families", *families] if families else [])]
+    cmd = [sys.executable, __file__, "--raw", "--jobs", str(jobs), *(["--families", *families] if families else [])]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return dict(line.rsplit("\t", 1) for line in res.stdout.splitlines() if "\t" in line)
 
@@ -92,21 +104,24 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", help="kernel families (default: all; e.g. partial rows merge append v1)")
     p.add_argument("--src", type=Path, help="the cuda_src/ to hash (default: this tree's)")
     p.add_argument("--against", type=Path, help="another cuda_src/ to compare with")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="modules compiled at once (default: CPUs)")
     p.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     for path in (args.src, args.against):
         if path is not None and not path.is_dir():
             p.error(f"{path} is not a folder")
     if args.raw:
-        for key, digest in all_hashes(args.families).items():
+        for key, digest in all_hashes(args.families, args.jobs).items():
             print(f"{key}\t{digest}")
         return 0
-    mine = _hashes_of(args.src, args.families)
+    if args.jobs < 1:
+        p.error("--jobs must be >= 1")
+    mine = _hashes_of(args.src, args.families, args.jobs)
     if args.against is None:
         for key, digest in mine.items():
             print(f"{digest}  {key}")
         return 0
-    other = _hashes_of(args.against, args.families)
+    other = _hashes_of(args.against, args.families, args.jobs)
     differ = sorted(k for k in mine.keys() | other.keys() if mine.get(k) != other.get(k))
     for key in differ:
         print(f"differs: {key} ({other.get(key, 'absent')} -> {mine.get(key, 'absent')})")
