@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: Most query heads one CTA serves (its q-head group).
-MAX_HEADS_PER_CTA = 8
+MAX_HEADS_PER_CTA = max(_configs.HEADS_PER_CTA)
 #: CTAs one SM holds at once (the tensor-core kernel: 128 threads and 72 KB of
 #: shared memory each, 2 per SM): ``CTAS_PER_SM * num_sms`` CTAs are one wave
 #: (the ``target_ctas`` a plan reports). :func:`ctas_per_sm` gives each
@@ -73,25 +73,17 @@ MAX_GRID_X = 2**31 - 1
 ENV_NUM_SMS = "CUPAGED_NUM_SMS"
 ENV_TARGET_CTAS = "CUPAGED_TARGET_CTAS"
 
-#: q/out dtypes the kernels are instantiated for (and KV dtypes, alone).
-SUPPORTED_DTYPES = (
-    np.dtype(np.float16),
-    np.dtype(np.float32),
-    np.dtype(ml_dtypes.bfloat16),
-)
+#: q/out dtypes the kernels are instantiated for (and KV dtypes, alone):
+#: float16, bfloat16, float32 (``_configs.DTYPES``).
+SUPPORTED_DTYPES = tuple(np.dtype(name) for name in _configs.DTYPES)
 #: The fp8 KV dtype (``ml_dtypes.float8_e4m3fn``: bias 7, max 448, no inf).
 #: CuPy has no float8 dtype: on the GPU such a cache is a uint8 array of its
 #: bit patterns, which is why ``plan_decode`` also accepts ``np.uint8`` for it.
-FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FLOAT8_E4M3 = np.dtype(_configs.FP8)
 #: ``(dtype, kv_dtype)`` pairs (q/out dtype, KV-cache dtype) a plan may have:
-#: one shared dtype, or an fp8 cache read by a float16/bfloat16 query.
-SUPPORTED_DTYPE_PAIRS = (
-    (np.dtype(np.float16), np.dtype(np.float16)),
-    (np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.bfloat16)),
-    (np.dtype(np.float32), np.dtype(np.float32)),
-    (np.dtype(np.float16), FLOAT8_E4M3),
-    (np.dtype(ml_dtypes.bfloat16), FLOAT8_E4M3),
-)
+#: one shared dtype, or an fp8 cache read by a float16/bfloat16 query
+#: (``_configs.KV_DTYPES``).
+SUPPORTED_DTYPE_PAIRS = tuple((np.dtype(q), np.dtype(kv)) for q, kvs in _configs.KV_DTYPES.items() for kv in kvs)
 #: Tokens per chunk of a ``deterministic=True`` plan (rounded down to whole
 #: pages, at least one page). Fixed, so a request's chunking depends on its
 #: own length alone. 1024 sits between the two ends of the calibrated default
@@ -143,16 +135,13 @@ def _q_dtype(dtype: Any) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
-        raise InvalidArgumentError(
-            f"dtype must be float16, float32 or bfloat16, got {dtype!r}") from exc
+        raise InvalidArgumentError(f"dtype must be {_DTYPES_TEXT}, got {dtype!r}") from exc
     if dt not in SUPPORTED_DTYPES:
-        raise InvalidArgumentError(
-            f"dtype must be float16, float32 or bfloat16, got {dt}")
+        raise InvalidArgumentError(f"dtype must be {_DTYPES_TEXT}, got {dt}")
     return dt
 
 
-def _pairs_text() -> str:
-    return ", ".join(f"({q}, {kv})" for q, kv in SUPPORTED_DTYPE_PAIRS)
+_DTYPES_TEXT = ", ".join(_configs.DTYPES)
 
 
 def canonical_kv_dtype(kv_dtype: Any) -> np.dtype:
@@ -167,8 +156,7 @@ def canonical_kv_dtype(kv_dtype: Any) -> np.dtype:
         dt = np.dtype(kv_dtype)
     except TypeError as exc:
         raise InvalidArgumentError(
-            f"kv_dtype must be a dtype; supported (dtype, kv_dtype) pairs: "
-            f"{_pairs_text()}, got {kv_dtype!r}") from exc
+            f"kv_dtype must be a dtype; supported: {_configs.pairs_text()}, got {kv_dtype!r}") from exc
     return FLOAT8_E4M3 if dt == np.uint8 else dt
 
 
@@ -180,8 +168,8 @@ def _kv_dtype(kv_dtype: Any, dtype: np.dtype) -> np.dtype:
     kv = canonical_kv_dtype(kv_dtype)
     if (dtype, kv) not in SUPPORTED_DTYPE_PAIRS:
         raise InvalidArgumentError(
-            f"unsupported (dtype, kv_dtype) = ({dtype}, {kv}); supported pairs: "
-            f"{_pairs_text()} (an fp8 cache may be given as np.uint8 bits)")
+            f"unsupported (dtype, kv_dtype) = ({dtype}, {kv}); supported: "
+            f"{_configs.pairs_text()} (an fp8 cache may be given as np.uint8 bits)")
     return kv
 
 

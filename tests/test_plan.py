@@ -637,7 +637,7 @@ def test_plan_kv_dtype_rejects_unsupported_pairs(dtype, kv_dtype):
     t = make_table(np.random.default_rng(32), [40], 16)
     with pytest.raises(InvalidArgumentError, match="kv_dtype") as e:
         plan_decode(t, 4, 4, 64, dtype, kv_dtype=kv_dtype)
-    for pair in ("(float16, float8_e4m3fn)", "(bfloat16, float8_e4m3fn)", "(float32, float32)"):
+    for pair in ("float16 q with float8_e4m3fn KV", "bfloat16 q with float8_e4m3fn KV", "float32 q with float32 KV"):
         assert pair in str(e.value)            # the message lists what is supported
 
 
