@@ -142,7 +142,7 @@ def kernel_decline_reason(q, k_cache, v_cache, method: str = "v2", variant: str 
     head_dim = q.shape[-1]
     if head_dim not in _configs.HEAD_DIMS:
         return f"head_dim {head_dim} has no kernel instance (supported: {_configs.HEAD_DIMS})"
-    if "+" in variant:  # fp8 KV: tensor cores only
+    if _configs.is_fp8(variant):  # fp8 KV: tensor cores only
         if method == "v1":
             return "v1 has no fp8 KV instance (v2 serves fp8 at head_dim 64, 96, 128)"
         if not _configs.serves("mma", variant, head_dim):

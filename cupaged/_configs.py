@@ -93,6 +93,16 @@ def variant(dtype: str, kv_dtype: str | None = None) -> str:
     return f"{dtype}+{kv_dtype}"
 
 
+def is_fp8(variant_name: str) -> bool:
+    """Whether a module variant reads an fp8 (e4m3) cache: the one spelling
+    of that test (a mixed variant is always q over fp8 KV).
+
+    >>> is_fp8("float16+float8_e4m3fn"), is_fp8("bfloat16")
+    (True, False)
+    """
+    return split_variant(variant_name)[1] == FP8
+
+
 def split_variant(name: str) -> tuple[str, str]:
     """(q dtype, KV dtype) of a module variant name."""
     q, _, kv = name.partition("+")
@@ -221,7 +231,7 @@ def tokens_per_cta(dtype: str, heads_per_cta: int, core: str) -> int:
     serves one token at a time."""
     if core != "mma":
         return 1
-    return (8 if "+" in dtype else 16) // heads_per_cta
+    return (8 if is_fp8(dtype) else 16) // heads_per_cta
 
 
 def all_modules() -> list[tuple[str, str, int]]:
@@ -229,6 +239,6 @@ def all_modules() -> list[tuple[str, str, int]]:
     partial family also over its mixed q/KV variants)."""
     mods = ([(f, d, h) for f in SOURCES if f != "append" for d in DTYPES for h in HEAD_DIMS]
             + [("append", d, APPEND_ANY_HEAD_DIM) for d in APPEND_DTYPES])
-    mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if "+" in d})
+    mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if is_fp8(d)})
     return mods + [(f, d, h) for f in PARTIAL_FAMILIES for d in mixed for h in HEAD_DIMS
                    if any(d in dtypes and h in dims for _, _, dtypes, dims in CORES.values())]

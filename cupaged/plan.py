@@ -303,7 +303,7 @@ def _resident_ctas(variant: str, head_dim: int, heads: int, requested: str | Non
     except ValueError:
         return CTAS_PER_SM
     if core == "mma":
-        return _configs.MMA_FP8_RESIDENT_CTAS if "+" in variant else _configs.MMA_MIN_BLOCKS
+        return _configs.MMA_FP8_RESIDENT_CTAS if _configs.is_fp8(variant) else _configs.MMA_MIN_BLOCKS
     return 3 if heads <= 4 else 1
 
 
