@@ -98,8 +98,8 @@ constexpr int MMA_SMEM_BYTES = CUPAGED_MMA_SMEM_KB * 1024;
 constexpr int MMA_MAX_STAGES = 8;
 
 // Shared-memory rows hold one token's head_dim of K or V in the cache's
-// storage type. Rows of whole 128-byte lines (16-bit head_dim 64/128/256, fp8
-// 128/256) are unpadded, 16-byte chunk c of row r at c ^ (r % 8), so ldmatrix's
+// storage type. Rows of whole 128-byte lines (16-bit head_dim 64 and 128, fp8
+// 128) are unpadded, 16-byte chunk c of row r at c ^ (r % 8), so ldmatrix's
 // 8 rows hit distinct banks and every row starts 128-byte aligned. Why the
 // alignment: a cp.async quarter-warp whose 128-byte line lands across a 32-byte
 // boundary of shared memory has the L2 serve its sectors twice. Rows padded by
