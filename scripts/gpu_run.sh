@@ -77,6 +77,7 @@ case ${1:-} in
   "") usage >&2; exit 2 ;;
 esac
 out=$1; shift
+mkdir -p "$out"  # (a fresh subfolder of the device tool's OUT is fine)
 steps=${*:-tests sanitize bench}
 work=$(mktemp -d)
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
