@@ -27,23 +27,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def text_sections(cubin: bytes) -> dict[str, bytes]:
-    """``{section name: bytes}`` of the ``.text.*`` sections of an ELF64 cubin."""
+def sections(cubin: bytes) -> list[tuple[str, bytes, int]]:
+    """``(name, bytes, alignment)`` of every section of an ELF64 cubin (a
+    ``.nv.shared.*`` section is NOBITS: its bytes are the file's at its
+    offset, meaningless; its size is ``sh_size``, read with
+    :func:`section_sizes`)."""
+    return [(name, cubin[offset:offset + size], align) for name, offset, size, align in _headers(cubin)]
+
+
+def section_sizes(cubin: bytes) -> dict[str, tuple[int, int]]:
+    """``{name: (size, alignment)}`` of every section of an ELF64 cubin."""
+    return {name: (size, align) for name, _, size, align in _headers(cubin)}
+
+
+def _headers(cubin: bytes) -> list[tuple[str, int, int, int]]:
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
     headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
     names = headers[shstrndx][4]
-    out = {}
-    for name, _, _, _, offset, size, *_ in headers:
-        label = cubin[names + name:cubin.index(b"\0", names + name)].decode()
-        if label.startswith(".text."):
-            out[label[len(".text."):]] = cubin[offset:offset + size]
+    out = []
+    for name, _, _, _, offset, size, _, _, align, _ in headers:
+        out.append((cubin[names + name:cubin.index(b"\0", names + name)].decode(), offset, size, align))
     return out
 
 
-def module_hashes(family: str, dtype: str, head_dim: int) -> dict[str, str]:
-    """``{kernel instance: sha256 of its SASS}`` of one module (this process's
-    cuda_src, i.e. env CUPAGED_CUDA_SRC or the tree's)."""
+def text_sections(cubin: bytes) -> dict[str, bytes]:
+    """``{kernel: bytes}`` of the ``.text.*`` sections (the SASS) of an ELF64 cubin."""
+    return {name[len(".text."):]: data for name, data, _ in sections(cubin) if name.startswith(".text.")}
+
+
+def compile_cubin(family: str, dtype: str, head_dim: int) -> tuple[bytes, dict[str, str]]:
+    """One module compiled with NVRTC for sm_90 (this process's cuda_src):
+    ``(cubin, {lowered name: name expression})``."""
     from cupy.cuda import nvrtc
 
     from cupaged import _configs, _loader
@@ -55,11 +70,16 @@ def module_hashes(family: str, dtype: str, head_dim: int) -> dict[str, str]:
             nvrtc.addNameExpression(prog, n)
         nvrtc.compileProgram(prog, [*_loader.OPTIONS, "-arch=sm_90"])
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
-        cubin = nvrtc.getCUBIN(prog)
+        return nvrtc.getCUBIN(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)
-    sections = text_sections(cubin)
-    return {lowered.get(k, k): hashlib.sha256(v).hexdigest()[:16] for k, v in sorted(sections.items())}
+
+
+def module_hashes(family: str, dtype: str, head_dim: int) -> dict[str, str]:
+    """``{kernel instance: sha256 of its SASS}`` of one module (this process's
+    cuda_src, i.e. env CUPAGED_CUDA_SRC or the tree's)."""
+    cubin, lowered = compile_cubin(family, dtype, head_dim)
+    return {lowered.get(k, k): hashlib.sha256(v).hexdigest()[:16] for k, v in sorted(text_sections(cubin).items())}
 
 
 def _module_entry(module: tuple[str, str, int]) -> dict[str, str]:

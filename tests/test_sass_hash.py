@@ -55,3 +55,40 @@ def test_code_change_differs_and_comment_change_does_not(tmp_path):
     res = _run("--families", "append", "--src", str(code), "--against", str(src))
     assert res.returncode == 1 and "differs: append/float32/0" in res.stdout, res.stdout + res.stderr
     assert "differs: append/float16" not in res.stdout  # the float32 packer only
+
+
+_ALIGN_CHECK = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import sass_hash
+for dtype in ("float16", "float16+float8_e4m3fn"):
+    cubin, lowered = sass_hash.compile_cubin("partial", dtype, 128)
+    for name, (size, align) in sass_hash.section_sizes(cubin).items():
+        if name.startswith(".nv.shared._Z") and "MMA" in lowered.get(name[len(".nv.shared."):], "MMA"):
+            print(dtype, size, align)
+"""
+
+
+def _static_shared(src):
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    if src is not None:
+        env["CUPAGED_CUDA_SRC"] = str(src)
+    res = subprocess.run([sys.executable, "-c", _ALIGN_CHECK, str(ROOT / "scripts")], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return [tuple(line.split()) for line in res.stdout.splitlines()]
+
+
+@pytest.mark.compile
+def test_the_mma_ring_starts_128_byte_aligned(tmp_path):
+    """The dynamic shared memory (the K/V ring) begins where the static
+    shared section ends, rounded up to its alignment: 16 mod 32 made the L2
+    serve 1.5x the K/V sectors (docs/architecture.md). Each tensor-core
+    instance's static section must end on 128 bytes; the old layout
+    (make_variant padded) does not, so this test can fail."""
+    rows = _static_shared(None)
+    assert rows and all(int(size) % 128 == 0 and int(align) >= 128 for _, size, align in rows), rows
+    make_variant = importlib.import_module("make_variant")
+    make_variant.apply(["padded"], tmp_path / "padded")
+    old = _static_shared(tmp_path / "padded")
+    assert old and all(int(size) % 32 == 16 for _, size, _ in old), old
