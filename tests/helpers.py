@@ -7,9 +7,24 @@ slots after last_page_len) holds NaN: a kernel that reads one fails loudly.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 from cupaged import PageTable
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python *argv`` in the repository root with it on PYTHONPATH (the
+    scripts' command-line tests), output captured as text."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
 
 # ragged lengths around a page of 16: 1, page-1, page, page+1, primes
 RAGGED_LENS = (1, 15, 16, 17, 31, 97, 257, 1021)

@@ -5,8 +5,6 @@ no-GPU exit. Nothing here needs a GPU."""
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +13,8 @@ import pytest
 
 import cupaged
 
+from helpers import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -22,9 +22,7 @@ _common = importlib.import_module("_common")
 bench = importlib.import_module("cascade_bench")
 
 
-def _run(*argv):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+_run = run_python
 
 
 def test_defaults_are_the_issue_cell():

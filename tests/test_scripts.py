@@ -12,14 +12,14 @@ import importlib
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
+
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -1238,9 +1238,7 @@ def test_parse_list_and_dtypes():
 # ----------------------------------------------------------- no GPU, imports
 
 
-def _run(*argv):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+_run = run_python
 
 
 def test_importing_the_scripts_has_no_side_effects():

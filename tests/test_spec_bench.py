@@ -8,8 +8,6 @@ from __future__ import annotations
 import csv
 import importlib
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,8 @@ import numpy as np
 import pytest
 
 import cupaged
+
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -26,9 +26,7 @@ bench = importlib.import_module("spec_bench")
 
 
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "spec_bench.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return run_python("scripts/spec_bench.py", *args)
 
 
 def test_help_exits_0():

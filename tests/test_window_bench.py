@@ -5,14 +5,14 @@ the markdown report) on hand-made rows worked out by hand. No GPU."""
 from __future__ import annotations
 
 import importlib
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import cupaged
+
+from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -22,9 +22,7 @@ ROW_BYTES = 8 * 128 * 2 * 2  # one token's K and V over 8 kv heads, head_dim 128
 
 
 def _run(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "window_bench.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return run_python("scripts/window_bench.py", *args)
 
 
 def test_help_and_argument_errors():
