@@ -56,9 +56,10 @@ MMA_MIN_BLOCKS: int = _env.mma_min_blocks()
 # bound too; their plans were not re-measured, so they keep it.)
 MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2) else MMA_MIN_BLOCKS
 
-# Programmatic dependent launch of the partial kernel (env CUPAGED_PDL=1, read
-# at import: the kernel's griddepcontrol instructions are compiled in only
-# then, and its launches go through cuLaunchKernelEx; experimental).
+# Programmatic dependent launch of the partial kernel (on unless env
+# CUPAGED_PDL=0, read at import: the kernel's griddepcontrol instructions are
+# compiled in only then, and its launches on sm_90+ go through
+# cuLaunchKernelEx). H200: small cells in a graph of layers 5-10 % faster.
 PDL: bool = _env.pdl()
 
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):

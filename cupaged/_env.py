@@ -131,12 +131,12 @@ def core() -> str | None:
 
 
 def pdl() -> bool:
-    """``CUPAGED_PDL``: 1 compiles the partial kernel with programmatic
-    dependent launch and launches it so (its CTAs may start during the
-    previous kernel's tail and wait in ``griddepcontrol.wait`` before
-    touching memory that kernel may write); 0 or unset: the ordinary kernel
-    and launch. Experimental (not yet measured on a GPU)."""
-    return bool(_int(PDL, 0, 0, 1))
+    """``CUPAGED_PDL``: 1 or unset (the default) compiles the partial kernel
+    with programmatic dependent launch and, on sm_90 and newer, launches it
+    so (its CTAs may start during the previous kernel's tail and wait in
+    ``griddepcontrol.wait`` before touching memory that kernel may write);
+    0: the ordinary kernel and launch."""
+    return bool(_int(PDL, 1, 0, 1))
 
 
 def target_ctas() -> int | None:

@@ -9,8 +9,8 @@ and :class:`cupaged.DecodeRunner`.
   A new table or plan is one host-to-device copy from pinned memory into a
   buffer whose address never changes, so a CUDA graph captured once replays
   every later plan that fits the buffer.
-* :class:`PdlLauncher` launches with programmatic dependent launch (env
-  ``CUPAGED_PDL=1`` at import; experimental).
+* :class:`ExLauncher` launches with ``cuLaunchKernelEx`` and programmatic
+  dependent launch (sm_90+, unless env ``CUPAGED_PDL=0`` at import).
 * :class:`PartialLaunch` owns, for one device and one stream, the compiled
   function, the image buffer, the merge workspace and counters, and the
   packed parameters; a launch rewrites only the fields that changed.
@@ -58,16 +58,16 @@ class LaunchConfig(ctypes.Structure):
 ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
-class PdlLauncher:
+class ExLauncher:
     """``cuLaunchKernelEx`` (the driver API through ctypes: CuPy wraps only
-    ``cuLaunchKernel``) with programmatic stream serialization allowed, called
-    like ``cupy_backends.cuda.api.driver.launchKernel``. The kernel may then
-    start while the stream's previous kernel finishes; the partial kernel
-    waits in ``griddepcontrol.wait`` before it reads q, the caches or the
-    workspace or writes anything (cuda_src/paged_decode_partial.cu). One per
-    launch state: the config struct is reused under that state's lock."""
+    ``cuLaunchKernel``), called like ``cupy_backends.cuda.api.driver.launchKernel``.
+    With ``pdl`` the launch allows programmatic stream serialization: the
+    kernel may start while the stream's previous kernel finishes; the partial
+    kernel then waits in ``griddepcontrol.wait`` before it reads q, the caches
+    or the workspace or writes anything (cuda_src/paged_decode_partial.cu).
+    One per launch state: the config struct is reused under that state's lock."""
 
-    def __init__(self) -> None:
+    def __init__(self, pdl: bool = True) -> None:
         lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
         self._fn = lib.cuLaunchKernelEx
         self._fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
@@ -76,7 +76,7 @@ class PdlLauncher:
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self._attr = LaunchAttribute(id=ATTR_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int at the union's start)
-        self._config = LaunchConfig(attrs=ctypes.pointer(self._attr), numAttrs=1)
+        self._config = LaunchConfig(attrs=ctypes.pointer(self._attr), numAttrs=1 if pdl else 0)
         self._config_ref = ctypes.byref(self._config)
 
     def __call__(self, function: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
@@ -227,7 +227,8 @@ class PartialLaunch:
         # states are keyed by their plan and must not keep it alive)
         self.units = None  # the image's unit count
         self._current_stream = cupy.cuda.get_current_stream
-        self._launch = PdlLauncher() if _configs.PDL else driver.launchKernel
+        self.pdl = _configs.PDL and int(cupy.cuda.Device().compute_capability) >= 90  # griddepcontrol: sm_90+
+        self._launch = ExLauncher() if self.pdl else driver.launchKernel
         self._memcpy = cupy.cuda.runtime.memcpyAsync
 
     def _alloc(self, max_batch: int, max_units: int, max_pages: int, num_qo_heads: int) -> None:

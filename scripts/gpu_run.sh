@@ -49,10 +49,9 @@ steps:
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
-  pdl         programmatic dependent launch (env CUPAGED_PDL=1): tests/test_pdl.py and the decode,
-              hot-path and runner GPU tests under it, then the
-              small main-fp16 cells (batch 1-32 x ctx 1k/4k) without and with it (large_report.py
-              marks each against the run without)
+  pdl         programmatic dependent launch (on by default): the main-fp16 issue-5 cells with
+              CUPAGED_PDL=0 and with the default, then large_report.py of the default against 0
+              (its GPU tests run in the step tests)
   windows     sliding windows against the full call and FlashInfer's window_left decode
               (window_bench.py; ctx 32768, batch 1/8/32, W 1024/4096/16384)
   spec        speculative-decode shapes (q_len 2-8) against FlashInfer's paged prefill
@@ -134,10 +133,9 @@ for s in $steps; do case $s in
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
-  pdl)  # programmatic dependent launch (env CUPAGED_PDL=1): its GPU tests, then small cells without and with it
-    run pdl_tests 280 "CUPAGED_PDL=1 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pdl.py tests/test_hot_path.py tests/test_runner.py tests/test_gpu_decode.py -k 'pdl or hot or runner or v2_matches_reference or ragged or graph'"
+  pdl)  # programmatic dependent launch (on by default): the main-fp16 cells without (CUPAGED_PDL=0) and with it
     for v in 0 1; do
-      run "pdl_ab_$v" 200 "CUPAGED_PDL=$v python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --batch 1 4 8 32 --ctx 1024 4096 --budget-s 150 --out-dir $work/pdl_$v"
+      run "pdl_ab_$v" 150 "CUPAGED_PDL=$v python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --budget-s 100 --out-dir $work/pdl_$v"
     done
     run pdl_compare 30 "python3 scripts/large_report.py $work/pdl_1/microbench-issue5.csv --baseline $work/pdl_0/microbench-issue5.csv --baseline-label CUPAGED_PDL=0 --out $work/pdl_report"
     cat "$work/pdl_compare.log"; grep "^| main" "$work/pdl_report.md" ;;

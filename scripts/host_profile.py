@@ -259,6 +259,12 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     launch, fn, grid, block, smem, arg = (state._launch, state.function, state.units * state.heads_groups,
                                           state.block, state.smem, state.params_ptr)
     timed(lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, arg, 0), "piece: driver launchKernel alone")
+    from cupaged._launch import ExLauncher
+
+    for pdl in (False, True):
+        ex = ExLauncher(pdl)
+        timed(lambda ex=ex: ex(fn, grid, 1, 1, block, 1, 1, smem, stream, arg, 0),
+              f"piece: ctypes cuLaunchKernelEx{', PDL attribute' if pdl else ''}")
     import ctypes
 
     size = ctypes.c_size_t(ctypes.sizeof(state.params))

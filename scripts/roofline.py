@@ -17,6 +17,14 @@ with CUDA events, in TB/s of buffer bytes, for each CTAs-per-SM count of
 ``--ctas``. ``--compile-only`` compiles both kernels for sm_90 with NVRTC and
 prints ptxas's report (no GPU needed; the CPU test does this).
 
+``--small MB ...`` measures instead what a small launch costs beyond its
+bytes (issue 20's "<= bytes / roofline + 4 us" target): a CUDA graph of
+``--layers`` back-to-back int4 reads, each of its own buffer of that size
+(cold L2, like a model's layers), and the same graph of empty kernels; per
+launch: GPU time, and time minus bytes / ``--roofline-tbps``. A plain read
+has no page table, no dependent loads and no merge, so its excess is a floor
+under any decode kernel's.
+
 Exit status: 0 ran, 3 no CUDA GPU (unless ``--compile-only``).
 """
 
@@ -100,6 +108,8 @@ extern "C" __global__ void __launch_bounds__(128) read_bulk(const unsigned char*
   }
   if (acc == 0x9e3779b9u) sink[0] = acc;
 }
+
+extern "C" __global__ void empty_kernel() {}
 """
 
 
@@ -130,6 +140,10 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=4, help="int4 loads in flight per thread (default 4)")
     p.add_argument("--chunk-kb", type=int, nargs="+", default=[8, 16], help="bulk-copy chunk sizes in KB")
     p.add_argument("--compile-only", action="store_true", help="compile for sm_90 and print ptxas's report")
+    p.add_argument("--small", type=float, nargs="+", metavar="MB",
+                   help="instead: per-launch cost of back-to-back reads of these sizes in a graph (cold L2)")
+    p.add_argument("--layers", type=int, default=64, help="launches (distinct buffers) per graph with --small")
+    p.add_argument("--roofline-tbps", type=float, default=4.59, help="the floor's rate with --small (default 4.59)")
     p.add_argument("--csv", help="also write the rows to this CSV file")
     args = p.parse_args(argv)
     if args.compile_only:
@@ -138,6 +152,8 @@ def main(argv=None) -> int:
     _common.require_gpu()
     import cupy
 
+    if args.small:
+        return small_launches(args)
     nbytes = int(args.gb * 1e9) // (64 * 1024) * (64 * 1024)  # whole chunks of any size tried
     buf = cupy.empty(nbytes, dtype=cupy.uint8)
     buf.view(cupy.uint32)[:] = 1  # touched once, so no page is read for the first time while timed
@@ -180,6 +196,59 @@ def main(argv=None) -> int:
         with open(args.csv, "w") as f:
             f.write("kernel,ctas_per_sm,chunk_kb,tbps,spread_pct\n")
             f.writelines(f"{k},{c},{kb},{r:.4f},{s:.2f}\n" for k, c, kb, r, s in rows)
+    return 0
+
+
+def small_launches(args) -> int:
+    """Per-launch GPU time of a graph of ``args.layers`` back-to-back reads,
+    each over its own buffer (so every launch reads from HBM), against
+    bytes / roofline; and of a graph of as many empty kernels."""
+    import cupy
+
+    module = cupy.RawModule(code=source(args.unroll), options=("-std=c++17",))
+    read_int4, empty = module.get_function("read_int4"), module.get_function("empty_kernel")
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    sink = cupy.zeros(1, cupy.uint32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def per_launch_us(launch) -> tuple[float, float]:
+        with stream:
+            stream.begin_capture()
+            for i in range(args.layers):
+                launch(i)
+            graph = stream.end_capture()
+            graph.launch()
+            times = []
+            for _ in range(args.reps):
+                start.record(stream)
+                graph.launch()
+                stop.record(stream)
+                stop.synchronize()
+                times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / args.layers)
+        med = statistics.median(times)
+        return med, (max(times) - min(times)) / med * 100
+
+    rows = []
+    us, spread = per_launch_us(lambda i: empty((1,), (32,), ()))
+    rows.append(("empty", 0, 0, us, 0.0, spread))
+    print(f"empty kernel: {us:.2f} us per launch (spread {spread:.1f} %)")
+    for mb in args.small:
+        nbytes = int(mb * 1e6) // 16 * 16
+        bufs = [cupy.ones(nbytes // 4, dtype=cupy.uint32) for _ in range(args.layers)]
+        n4 = nbytes // 16
+        for per_sm in args.ctas:
+            grid = min(sms * per_sm, -(-n4 // 256))
+            us, spread = per_launch_us(lambda i: read_int4((grid,), (256,), (bufs[i], cupy.int64(n4), sink)))
+            floor = nbytes / (args.roofline_tbps * 1e6)
+            rows.append(("int4", per_sm, mb, us, us - floor, spread))
+            print(f"read {mb:g} MB, {per_sm} CTAs/SM: {us:.2f} us per launch, floor {floor:.2f}, "
+                  f"over {us - floor:.2f} us (spread {spread:.1f} %)")
+        bufs.clear()  # frees this size's buffers before the next
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("kernel,ctas_per_sm,mb,us_per_launch,us_over_floor,spread_pct\n")
+            f.writelines(f"{k},{c},{mb},{u:.3f},{o:.3f},{sp:.2f}\n" for k, c, mb, u, o, sp in rows)
     return 0
 
 

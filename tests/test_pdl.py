@@ -1,7 +1,7 @@
-"""Programmatic dependent launch of the partial kernel (env CUPAGED_PDL=1,
-read at import): the ctypes mirror of cuLaunchKernelEx's structs and the
-variable (CPU), and on the GPU, in a process started with CUPAGED_PDL=1
-(``scripts/gpu_run.sh OUT pdl``; skipped otherwise), decode calls launched
+"""Programmatic dependent launch of the partial kernel (on unless env
+CUPAGED_PDL=0 at import): the ctypes mirror of cuLaunchKernelEx's structs and
+the variable (CPU), and on an sm_90+ GPU (skipped in a process started with
+CUPAGED_PDL=0), decode calls launched
 back to back without a sync in between (each may start during the previous
 one's tail and share its workspace) and the runner's append_kv + decode
 graph, every result against the float64 reference."""
@@ -27,7 +27,7 @@ def test_launch_structs_match_cuda_h():
     assert ctypes.sizeof(cfg) == 56
 
 
-@pytest.mark.parametrize("value, expected", [(None, False), ("", False), ("0", False), ("1", True)])
+@pytest.mark.parametrize("value, expected", [(None, True), ("", True), ("0", False), ("1", True)])
 def test_env_pdl(monkeypatch, value, expected):
     if value is None:
         monkeypatch.delenv("CUPAGED_PDL", raising=False)
@@ -44,17 +44,24 @@ def test_env_pdl_rejects_other_values(monkeypatch):
 
 def _count_pdl_launches(monkeypatch) -> list:
     calls = []
-    real = _launch.PdlLauncher.__call__
+    real = _launch.ExLauncher.__call__
 
     def counted(self, *args):
         calls.append(args[1])  # grid x
         return real(self, *args)
 
-    monkeypatch.setattr(_launch.PdlLauncher, "__call__", counted)
+    monkeypatch.setattr(_launch.ExLauncher, "__call__", counted)
     return calls
 
 
-needs_pdl = pytest.mark.skipif(not _configs.PDL, reason="needs CUPAGED_PDL=1 at import (gpu_run.sh step pdl)")
+needs_pdl = pytest.mark.skipif(not _configs.PDL, reason="CUPAGED_PDL=0 at import")
+
+
+def _require_sm90():
+    import cupy as cp
+
+    if int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("programmatic dependent launch needs sm_90+")
 
 
 @pytest.mark.gpu
@@ -66,6 +73,7 @@ def test_layers_back_to_back(merged, monkeypatch):
     not wait for the one before would read or reset its partials."""
     import cupy as cp
 
+    _require_sm90()
     launches = _count_pdl_launches(monkeypatch)
     rng = np.random.default_rng(91)
     from test_gpu_decode import batch
@@ -100,6 +108,7 @@ def test_runner_graph_with_pdl(monkeypatch):
 
     import test_runner
 
+    _require_sm90()
     launches = _count_pdl_launches(monkeypatch)
     with cp.cuda.Stream(non_blocking=True):
         test_runner._graph_case(cp)
