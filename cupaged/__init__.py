@@ -13,7 +13,8 @@ from . import fp8, reference
 from ._version import __version__
 from ._device import has_gpu, require_gpu
 from .cascade import CascadePlan, cascade_decode, plan_cascade
-from .decode import METHODS, Selection, decode, select_method
+from .decode import decode
+from .selection import METHODS, Selection, select_method
 from .errors import (
     ArgumentTypeError,
     CapacityError,

@@ -226,7 +226,7 @@ def main(argv=None) -> int:
 
     timed(layer_call, f"decode call rotating {args.layers} layers")
     # The floor: the driver launch alone (cuLaunchKernel with packed arguments).
-    from cupaged.decode import plan_states
+    from cupaged._plan_launch import plan_states
 
     state = plan_states(plan).last
     stream = cupy.cuda.get_current_stream().ptr
@@ -253,7 +253,7 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
 
     import importlib
 
-    dec = importlib.import_module("cupaged.decode")
+    dec = importlib.import_module("cupaged._plan_launch")
     state = dec.plan_states(plan).last
     stream = cupy.cuda.get_current_stream().ptr
     launch, fn, grid, block, smem, arg = (state._launch, state.function, state.units * state.heads_groups,

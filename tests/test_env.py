@@ -19,7 +19,7 @@ from cupaged import _env
 from cupaged.errors import InvalidArgumentError, UnsupportedConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-decode = importlib.import_module("cupaged.decode")  # the module (cupaged.decode is the function)
+plan_launch = importlib.import_module("cupaged._plan_launch")
 
 # variable -> (reader, good value, what it gives, bad values)
 CASES = {
@@ -112,7 +112,7 @@ def test_readme_table_lists_every_variable():
 
 
 def test_decode_methods_agree():
-    assert decode.METHODS == _env.METHODS
+    assert cupaged.selection.METHODS == cupaged.METHODS == _env.METHODS
     assert set(_env.CORES) == set(cupaged._configs.CORES)
 
 
@@ -123,4 +123,4 @@ def test_hot_path_lookup_follows_os_environ(monkeypatch):
     assert _env.decode_method_raw() is None
     monkeypatch.setenv(_env.DECODE, "v1")
     assert _env.decode_method_raw() in ("v1", b"v1")
-    assert decode._env_method_raw is _env.decode_method_raw
+    assert plan_launch._env_method_raw is _env.decode_method_raw

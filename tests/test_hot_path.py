@@ -29,7 +29,7 @@ def _cp():
 def _buffers(plan):
     import importlib
 
-    return importlib.import_module("cupaged.decode").plan_states(plan).last
+    return importlib.import_module("cupaged._plan_launch").plan_states(plan).last
 
 
 def _decode(q, k, v, table, plan, **kw):
@@ -43,7 +43,7 @@ def _count_launches(monkeypatch):
     """Counts the checked launches and the hot ones."""
     import importlib
 
-    cls = importlib.import_module("cupaged.decode")._PlanLaunch
+    cls = importlib.import_module("cupaged._plan_launch").PlanLaunch
     counts = {"checked": 0, "hot": 0}
     for name, key in (("launch", "checked"), ("launch_pointers", "hot")):
         real = getattr(cls, name)
@@ -160,14 +160,14 @@ def test_plans_and_their_launch_state_are_freed():
     import weakref
 
     cp = _cp()
-    dec = __import__("importlib").import_module("cupaged.decode")
+    dec = __import__("importlib").import_module("cupaged._plan_launch")
     (q, k, v), table, host = batch(75, [300, 41, 1700], mid_page=False)
     gc.collect()
-    before = len(dec._plan_states)
+    before = len(dec.PLAN_STATES)
     for _ in range(5):
         out = cupaged.decode(q, k, v, table)
     gc.collect()
-    assert len(dec._plan_states) == before
+    assert len(dec.PLAN_STATES) == before
     plan = cupaged.plan_decode(table, 32, 8, 128, F16)
     for _ in range(2):
         out, lse = cupaged.decode(q, k, v, table, plan, return_lse=True)
@@ -176,7 +176,7 @@ def test_plans_and_their_launch_state_are_freed():
     cp.cuda.runtime.deviceSynchronize()
     del plan
     gc.collect()
-    assert ref() is None and len(dec._plan_states) == before
+    assert ref() is None and len(dec.PLAN_STATES) == before
     check_close(out.get().astype(np.float64), lse.get().astype(np.float64), *reference.decode(*host, table), F16)
 
 

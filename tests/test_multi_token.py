@@ -22,7 +22,7 @@ from helpers import RAGGED_LENS, make_caches, make_query, make_table, rel_errors
 
 import cupaged
 from cupaged import reference
-from cupaged.decode import args_match
+from cupaged._plan_launch import args_match
 from cupaged.page_table import kernel_table
 from test_features_gpu import BF16, F16, FP8, _cp, check, differs, make_batch, run, tolerance
 

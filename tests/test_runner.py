@@ -249,7 +249,7 @@ def test_hot_path_on_every_argument_kind(case, monkeypatch):
     import importlib
 
     cp = _cp()
-    mod = importlib.import_module("cupaged.decode")
+    mod = importlib.import_module("cupaged._plan_launch")
     rng = np.random.default_rng(8)
     table, num_pages = make_table(rng, [700, 33, 4000], P)
     q_h = make_query(rng, 3, HQ, D, F16)
@@ -273,8 +273,8 @@ def test_hot_path_on_every_argument_kind(case, monkeypatch):
     q = cp.asarray(q_h)
     ref = reference.decode(q_h, k_h, v_h, table, **ref_kw)
     hot = []
-    real = mod._PlanLaunch.launch_pointers
-    monkeypatch.setattr(mod._PlanLaunch, "launch_pointers", lambda self, *a: (hot.append(1), real(self, *a))[1])
+    real = mod.PlanLaunch.launch_pointers
+    monkeypatch.setattr(mod.PlanLaunch, "launch_pointers", lambda self, *a: (hot.append(1), real(self, *a))[1])
     for _ in range(3):
         out, lse = cupaged.decode(q, k, v, table, plan, return_lse=True, **kw)
         cp.cuda.runtime.deviceSynchronize()

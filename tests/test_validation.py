@@ -32,7 +32,7 @@ import pytest
 import cupaged
 from cupaged import _validate, reference
 from cupaged._checks import check_core, check_inputs, check_out, check_plan, check_sm_scale
-from cupaged.decode import _select, default_method
+from cupaged.selection import default_method, select
 from cupaged.errors import (ArgumentTypeError, CupagedError, DeviceMismatchError, DTypeError, InvalidArgumentError,
                             LayoutError, NoGPUError, OutOfPagesError, PageTableError, PlanMismatchError, ShapeError,
                             UnknownSequenceError, UnsupportedConfigError)
@@ -181,7 +181,7 @@ def test_select_method_rejects_numpy_inputs_cpu():
 def test_unknown_method_cpu():
     fragment = "method must be one of ('auto', 'v2', 'v1', 'gather'), got 'v3'"
     with pytest.raises(UnsupportedConfigError, match=_escape(fragment)):
-        _select(*fakes(), TABLE, "v3")
+        select(*fakes(), TABLE, "v3")
 
 
 def test_env_method_cpu(monkeypatch):
@@ -189,7 +189,7 @@ def test_env_method_cpu(monkeypatch):
     with pytest.raises(UnsupportedConfigError, match="environment variable CUPAGED_DECODE='fast' must be one of"):
         default_method()
     with pytest.raises(UnsupportedConfigError, match="CUPAGED_DECODE"):
-        _select(*fakes(), TABLE, "auto")
+        select(*fakes(), TABLE, "auto")
 
 
 @pytest.mark.parametrize("core, dtype, fragment", [
@@ -229,7 +229,7 @@ def test_kernels_decline_strided_or_misaligned_cpu(ptr, strides, reason):
     """Not an error: the gather path runs, and select_method says why."""
     q, _, v = fakes()
     k = FakeArray(CACHE_SHAPE, ptr=ptr, strides=strides)
-    sel = _select(q, k, v, TABLE, "v2")
+    sel = select(q, k, v, TABLE, "v2")
     if reason is None:
         assert sel == cupaged.Selection("v2", "requested")
     else:
@@ -237,7 +237,7 @@ def test_kernels_decline_strided_or_misaligned_cpu(ptr, strides, reason):
 
 
 def test_head_dim_without_kernel_falls_back_cpu():
-    sel = _select(*fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80)), TABLE, "auto")
+    sel = select(*fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80)), TABLE, "auto")
     assert sel.method == "gather" and "head_dim 80 has no kernel instance" in sel.reason
 
 
@@ -309,8 +309,8 @@ def test_fallback_is_logged_once_per_configuration_cpu(caplog, monkeypatch):
 
     from cupaged import _log
 
-    pytest.importorskip("cupy")  # select_method's _as_cupy imports it (no device needed)
-    monkeypatch.setattr(sys.modules["cupaged.decode"], "_as_cupy", lambda x, name: x)
+    pytest.importorskip("cupy")  # select_method's as_cupy imports it (no device needed)
+    monkeypatch.setattr(sys.modules["cupaged.selection"], "as_cupy", lambda x, name: x)
     monkeypatch.delenv("CUPAGED_DECODE", raising=False)
     _log.reset()
     d80 = fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80))
