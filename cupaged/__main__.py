@@ -164,7 +164,7 @@ def _cache_lines() -> list[str]:
         cupy_dir = _env.cupy_cache_dir()
     return [f"CUDA sources: {_loader.SRC_DIR}",
             f"CuPy kernel cache: {cupy_dir} (env CUPY_CACHE_DIR)",
-            f"cupaged autotune cache: {autotune._cache_path()} (env {autotune.ENV_CACHE_DIR})"]
+            f"cupaged autotune cache: {autotune.cache_path()} (env {autotune.ENV_CACHE_DIR})"]
 
 
 def info(args) -> int:

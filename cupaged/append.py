@@ -163,10 +163,10 @@ def append_kv(k_new: DeviceArray, v_new: DeviceArray, k_cache: DeviceArray, v_ca
 
     k_new, v_new = _as_cupy(k_new, "k_new"), _as_cupy(v_new, "v_new")
     k_cache, v_cache = _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
-    k_scale, v_scale = _scale_as_cupy(k_scale, "k_scale"), _scale_as_cupy(v_scale, "v_scale")
+    k_scale, v_scale = scale_as_cupy(k_scale, "k_scale"), scale_as_cupy(v_scale, "v_scale")
     if append_indptr is not None and not isinstance(append_indptr, np.ndarray):
         append_indptr = _as_cupy(append_indptr, "append_indptr")
-    launch = _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layout, k_scale, v_scale)
+    launch = check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layout, k_scale, v_scale)
 
     device = k_new.data.device_id
     arrays = [("v_new", v_new), ("k_cache", k_cache), ("v_cache", v_cache)]
@@ -189,12 +189,12 @@ def append_kv(k_new: DeviceArray, v_new: DeviceArray, k_cache: DeviceArray, v_ca
         )
     if launch.num_tokens == 0 or table.batch_size == 0:  # nothing to write (a device append_indptr may
         return None                                     # pair an empty batch with new tokens)
-    _launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch)
+    launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch)
     return None
 
 
 # --------------------------------------------------------------------------- checks
-def _scale_as_cupy(scale, name: str):
+def scale_as_cupy(scale, name: str):
     """A scale array as a CuPy array (a NumPy one is refused with a hint);
     anything without a shape, or a 0-d NumPy value, is left to _check_scale."""
     if not hasattr(scale, "shape") or (isinstance(scale, (np.ndarray, np.generic)) and scale.ndim == 0):
@@ -209,7 +209,7 @@ def _address(a) -> int:
     return int(a.data.ptr)
 
 
-def _check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layout, k_scale, v_scale) -> _Launch:
+def check_append(k_new, v_new, k_cache, v_cache, table, append_indptr, kv_layout, k_scale, v_scale) -> _Launch:
     """Every check of append_kv that reads no device memory; pure host code
     over array attributes (shape, dtype, strides, base address), so NumPy
     arrays stand in for CuPy ones in CPU tests. Returns the launch facts.
@@ -394,7 +394,7 @@ def _append_slots(table: PageTable, append_indptr: np.ndarray | None) -> np.ndar
     """The cache slot, ``page * page_size + entry`` (int64), that each new
     token goes to, in k_new's row order: the last visible slot of every
     request (``append_indptr`` None), or the last ``n_i`` of request ``i``.
-    For arguments _check_append has accepted (each request has the slots).
+    For arguments check_append has accepted (each request has the slots).
 
     >>> t = PageTable([3, 5, 5], [0, 2, 3], [2, 4], page_size=4)
     >>> _append_slots(t, None).tolist()                  # page 5 entry 1, page 5 entry 3
@@ -545,7 +545,7 @@ def _per_head(scale, num_kv_heads: int):
     return scale if scale.flags.c_contiguous else scale.copy()
 
 
-def _launch_append(k_new, v_new, k_cache, v_cache, table: PageTable, kv_layout: str, launch: _Launch,
+def launch_append(k_new, v_new, k_cache, v_cache, table: PageTable, kv_layout: str, launch: _Launch,
                    image: tuple | None = None) -> None:
     """Launches append_kv. ``image``: ``(table pointers (indices, indptr,
     last_page_len, first_page_offset), device batch pointer, tokens)`` of a

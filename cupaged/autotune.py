@@ -108,7 +108,7 @@ def _kv_dtype(q, k_cache):
     return _configs.FP8 if k_cache.dtype == np.uint8 and q.dtype != np.uint8 else None
 
 
-def _cache_path() -> Path:
+def cache_path() -> Path:
     return _env.cache_dir() / "autotune.json"
 
 
@@ -184,7 +184,7 @@ def _load_cache() -> dict[str, int]:
     """The cached winners, ``{cache_key: pages_per_chunk}``; {} when there is
     no cache, and (with a warning) when the directory or file is unsafe or
     malformed (see the module docstring)."""
-    path = _cache_path()
+    path = cache_path()
     if not os.path.isdir(path.parent):
         return {}
     why = _unsafe_dir(path.parent)
@@ -212,7 +212,7 @@ def _store(key: str, value: int) -> None:
     """Add ``key: value`` to the cache file: read, merge and replace under
     the directory's lock, through a unique temporary file. An unsafe
     directory or a symlinked cache file is left alone, with a warning."""
-    path = _cache_path()
+    path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     why = _unsafe_dir(path.parent)
     if why is not None:

@@ -551,7 +551,7 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
 
     from ._arrays import as_cupy as _as_cupy
     from .decode import decode
-    from .merge import _launch_merge
+    from .merge import launch_merge
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
     _check_tables(shared_table, unique_table)
@@ -604,7 +604,7 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
     cupy.take(_uint_view(buf.level_out), buf.state_index, axis=0, out=_uint_view(buf.gathered))
     buf.states_v[...] = buf.gathered.reshape(buf.states_v.shape)  # q's dtype -> float32
     cupy.take(buf.level_lse, buf.state_index, axis=0, out=buf.states_lse.reshape(-1))
-    _launch_merge(buf.states_v, buf.states_lse, buf.o_indptr, batch, out, lse)
+    launch_merge(buf.states_v, buf.states_lse, buf.o_indptr, batch, out, lse)
     return (out, lse) if return_lse else out
 
 

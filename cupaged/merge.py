@@ -89,7 +89,7 @@ def merge_states(v: DeviceArray, lse: DeviceArray, o_indptr: IndexArray, *, out_
     v_out = cupy.empty((rows, v.shape[1], v.shape[2]), dtype=np.dtype(out_dtype) if out_name != "bfloat16" else out_dtype)
     lse_out = cupy.empty((rows, v.shape[1]), dtype=cupy.float32)
     if rows > 0 and v.shape[1] > 0:
-        _launch_merge(v, lse, d_indptr, rows, v_out, lse_out)
+        launch_merge(v, lse, d_indptr, rows, v_out, lse_out)
     return v_out, lse_out
 
 
@@ -165,7 +165,7 @@ def _device_id(a) -> int | None:
     return getattr(data, "device_id", None)
 
 
-def _launch_merge(v, v_lse, o_indptr, rows: int, out, lse):
+def launch_merge(v, v_lse, o_indptr, rows: int, out, lse):
     heads, head_dim = v.shape[1], v.shape[2]
     heads_per_cta = THREADS // (head_dim // 4)
     kernel = _loader.get_kernel("merge", _configs.dtype_name(out.dtype), head_dim)

@@ -280,7 +280,7 @@ class DecodeRunner:
         head_dim]`` with rows >= the batch (``max_batch`` while capturing);
         row ``i`` is request ``i``'s token, rows past the batch are not read.
         Raises as :func:`cupaged.append_kv` does."""
-        from .append import _check_append, _launch_append, _scale_as_cupy
+        from .append import check_append, launch_append, scale_as_cupy
 
         with self._lock:
             table = self.current_table
@@ -289,7 +289,7 @@ class DecodeRunner:
             self._check_device("append_kv")
             k_new, v_new = as_cupy(k_new, "k_new"), as_cupy(v_new, "v_new")
             k_cache, v_cache = as_cupy(k_cache, "k_cache"), as_cupy(v_cache, "v_cache")
-            k_scale, v_scale = _scale_as_cupy(k_scale, "k_scale"), _scale_as_cupy(v_scale, "v_scale")
+            k_scale, v_scale = scale_as_cupy(k_scale, "k_scale"), scale_as_cupy(v_scale, "v_scale")
             if any(a.data.device_id != self.device for a in (k_new, v_new, k_cache, v_cache)):
                 raise DeviceMismatchError(f"k_new, v_new and the caches must be on the runner's device {self.device}")
             capturing = self._is_capturing(self.stream.ptr) != 0
@@ -298,11 +298,11 @@ class DecodeRunner:
                 raise ShapeError(f"k_new and v_new must be [rows, num_kv_heads, head_dim] with rows >= {rows}, "
                                  f"got {k_new.shape} and {v_new.shape}")
             batch = table.batch_size
-            launch = _check_append(k_new[:batch], v_new[:batch], k_cache, v_cache, table, None, kv_layout,
+            launch = check_append(k_new[:batch], v_new[:batch], k_cache, v_cache, table, None, kv_layout,
                                    k_scale, v_scale)
             base, (_, indptr, last, first, _, indices) = self._launch.image.data.ptr, self._launch.offsets
             pointers = tuple(np.uint64(base + 4 * off) for off in (indices, indptr, last, first))
-            _launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch,
+            launch_append(k_new, v_new, k_cache, v_cache, table, kv_layout, launch,
                            (pointers, base + 4 * _launch.HEADER_BATCH, rows))
 
     def _check_device(self, what: str) -> None:

@@ -21,7 +21,7 @@ import pytest
 import cupaged
 from cupaged import _configs, reference
 from cupaged import append as append_module
-from cupaged.append import _append_slots, _check_append
+from cupaged.append import _append_slots, check_append
 from cupaged.errors import (ArgumentTypeError, DTypeError, InvalidArgumentError, LayoutError, NoGPUError,
                             PageTableError, ShapeError, UnsupportedConfigError)
 from helpers import make_table, rel_errors, visible_mask
@@ -162,7 +162,7 @@ def args(k_new=None, v_new=None, k_cache=None, v_cache=None, table=TABLE, append
 
 
 def _check(a):
-    return _check_append(a["k_new"], a["v_new"], a["k_cache"], a["v_cache"], a["table"], a["append_indptr"],
+    return check_append(a["k_new"], a["v_new"], a["k_cache"], a["v_cache"], a["table"], a["append_indptr"],
                          a["kv_layout"], a["k_scale"], a["v_scale"])
 
 

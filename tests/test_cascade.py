@@ -350,7 +350,7 @@ def test_cascade_decode_orchestration_with_host_fakes(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cupaged._device, "has_gpu", lambda: True)
     monkeypatch.setattr(decode_module, "decode", fake_decode)
-    monkeypatch.setattr(cupaged.merge, "_launch_merge", fake_merge)
+    monkeypatch.setattr(cupaged.merge, "launch_merge", fake_merge)
     rng = np.random.default_rng(7)
     sizes, hq, hkv = [3, 11, 1, 3], 8, 8  # passes of 3, 16 (padded 11) and 1 heads per kv head
     shared, unique, gi, num_pages = cascade_tables(rng, sizes, [40, 100, 0, 17], [3, 0, 20] + [5] * 15)

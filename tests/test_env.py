@@ -58,7 +58,7 @@ def test_path_variables(monkeypatch, tmp_path):
     assert _env.cache_dir() == Path.home() / ".cache" / "cupaged"
     monkeypatch.setenv(_env.CACHE_DIR, str(tmp_path))
     assert _env.cache_dir() == tmp_path
-    assert cupaged.autotune._cache_path() == tmp_path / "autotune.json"
+    assert cupaged.autotune.cache_path() == tmp_path / "autotune.json"
     default = tmp_path / "default"
     monkeypatch.delenv(_env.CUDA_SRC, raising=False)
     assert _env.cuda_src(default) == default
