@@ -44,7 +44,7 @@ from .page_table import PageTable
 from .plan import MAX_PAGES_PER_CHUNK, DecodePlan, plan_decode
 from .testing import graph_time_us  # re-exported: the timer lives in cupaged.testing
 
-__all__ = ["bucket", "candidates", "cache_key", "graph_time_us", "TuneResult", "tune", "tuned_plan"]
+__all__ = ["bucket", "candidates", "cache_key", "cache_path", "graph_time_us", "TuneResult", "tune", "tuned_plan"]
 
 try:
     import fcntl
@@ -109,6 +109,8 @@ def _kv_dtype(q, k_cache):
 
 
 def cache_path() -> Path:
+    """The cache file: ``$CUPAGED_CACHE_DIR/autotune.json`` (default
+    ``~/.cache/cupaged/autotune.json``), read at call time."""
     return _env.cache_dir() / "autotune.json"
 
 

@@ -591,3 +591,30 @@ def test_examples_found():
     cases = _example_cases()
     assert len(cases) >= 12
     assert sum(not c.marks for c in cases) >= 8  # most run on the CPU
+
+
+def test_architecture_opens_with_the_current_module_map():
+    """docs/architecture.md's module map (issue 19) is what the code imports:
+    scripts/module_map.py reads every module's package imports; a stale
+    table fails here (fix: scripts/module_map.py --write)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import module_map
+
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert text.index("## Module map") < text.index("## Data flow")
+    assert module_map.doc_table(text) == module_map.render()
+
+
+def test_module_map_finds_cycles_and_lazy_imports():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import module_map
+
+    found = module_map.imports()
+    assert "plan" in found["_validate"][1] and "_validate" in found["plan"][0]  # the cycle, broken lazily
+    with pytest.raises(ValueError, match="cycle"):
+        module_map.depths({"a": ({"b"}, set()), "b": ({"a"}, set())})
+    assert module_map.depths({"a": ({"b"}, set()), "b": (set(), {"a"})}) == {"a": 1, "b": 0}
