@@ -3,7 +3,7 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec windows pdl precompile
+#        ncu_sectors variants spec windows pdl suite_ab precompile
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
@@ -52,6 +52,10 @@ steps:
   pdl         programmatic dependent launch (on by default): the main-fp16 issue-5 cells with
               CUPAGED_PDL=0 and with the default, then large_report.py of the default against 0
               (its GPU tests run in the step tests)
+  suite_ab    the main-fp16 issue-5 cells (v2, small cells over rotating caches) for each kernel
+              source tree in env AB_TREES (default: this tree's cuda_src), then large_report.py of
+              each later tree against the first (e.g. AB_TREES="cuda_src .variants/pdl_prefetch",
+              carry .variants)
   windows     sliding windows against the full call and FlashInfer's window_left decode
               (window_bench.py; ctx 32768, batch 1/8/32, W 1024/4096/16384)
   spec        speculative-decode shapes (q_len 2-8) against FlashInfer's paged prefill
@@ -139,6 +143,17 @@ for s in $steps; do case $s in
     done
     run pdl_compare 30 "python3 scripts/large_report.py $work/pdl_1/microbench-issue5.csv --baseline $work/pdl_0/microbench-issue5.csv --baseline-label CUPAGED_PDL=0 --out $work/pdl_report"
     cat "$work/pdl_compare.log"; grep "^| main" "$work/pdl_report.md" ;;
+  suite_ab)  # issue-5 main-fp16 cells per kernel source tree, each against the first
+    i=0; first=""
+    for tree in ${AB_TREES:-cuda_src}; do
+      run "suite_ab_$i" 150 "CUPAGED_CUDA_SRC=$PWD/$tree python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --budget-s 100 --out-dir $work/suite_$i"
+      if [ -z "$first" ]; then first=$work/suite_$i/microbench-issue5.csv; else
+        run "suite_ab_report_$i" 30 "python3 scripts/large_report.py $work/suite_$i/microbench-issue5.csv --baseline $first --baseline-label '${AB_TREES%% *}' --out $work/suite_ab_$i"
+        echo "== $tree against ${AB_TREES%% *}"; grep SUMMARY "$work/suite_ab_report_$i.log"
+        grep "^| main" "$work/suite_ab_$i.md" | awk -F'|' '{print $3,$4,$8,$16,$17,$21}'
+      fi
+      i=$((i + 1))
+    done ;;
   windows) run window_bench 330 "$peer python3 scripts/window_bench.py --csv $work/windows.csv --md $work/windows.md ${CUPAGED_COMMIT:+--commit $CUPAGED_COMMIT}" ;;
   spec) run spec_bench 330 "$peer python3 scripts/spec_bench.py ${SPEC_ARGS:-} --csv $work/spec.csv --md $work/spec.md" ;;
   features2) run feature_cost 220 "python3 scripts/feature_cost.py --csv $work/feature_cost.csv" ;;

@@ -13,7 +13,13 @@ be rerun without hand-editing a tree:
   the dynamic shared memory 16-byte aligned): 1.5x the K/V sectors through
   the L2 and ~7 % slower on large fp16 cells than today's permuted, aligned rows;
 * ``no_l2_hint``, ``no_evict_first``: without the L2::128B prefetch hint or
-  the evict_first policy on 16-bit rows.
+  the evict_first policy on 16-bit rows;
+* ``pdl_prefetch`` (issue 20's small cells): before ``griddepcontrol.wait``,
+  each CTA prefetches the K/V rows of its first 64 visible slots into the L2
+  (``prefetch.global.L2``; the page ids come from the host-written plan
+  image), so the first tile's DRAM latency overlaps the previous kernel's
+  tail. Safe while that kernel still writes those lines: the L2 is the
+  point of coherence, and the loads after the wait read through it.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -65,6 +71,26 @@ _PADDED = [
 ]
 
 
+_PDL_PREFETCH_OLD = "  pdl_wait();\n\n  const T* q_cta"
+_PDL_PREFETCH_NEW = """  {  // variant pdl_prefetch: the first 64 visible slots' K/V rows into the L2 before the wait
+    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(KV), LINES = (ROW_BYTES + 127) / 128;
+    const int n = min(slot_end - slot_begin, 64) * LINES;
+    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
+      const int is_v = i >= n, j = is_v ? i - n : i;
+      const int s = slot_begin + j / LINES, off = min((j % LINES) * 128, ROW_BYTES - 16);
+      const long long page = indices[s / page_size], tok = s % page_size;
+      const char* row = is_v ? reinterpret_cast<const char*>(static_cast<const KV*>(p.v_cache) + page * p.stride_v_page
+                                                             + tok * p.stride_v_token + kv_head * p.stride_v_head)
+                             : reinterpret_cast<const char*>(static_cast<const KV*>(p.k_cache) + page * p.stride_k_page
+                                                             + tok * p.stride_k_token + kv_head * p.stride_k_head);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    }
+  }
+  pdl_wait();
+
+  const T* q_cta"""
+
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -73,6 +99,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
                     "constexpr bool L2_HINT = false;  // variant no_l2_hint")],
     "no_evict_first": [("attend_mma.cuh", "constexpr bool EVICT_FIRST = sizeof(KV) == 2;",
                         "constexpr bool EVICT_FIRST = false;  // variant no_evict_first")],
+    "pdl_prefetch": [("paged_decode_partial.cu", _PDL_PREFETCH_OLD, _PDL_PREFETCH_NEW)],
 }
 
 
