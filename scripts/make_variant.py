@@ -19,7 +19,9 @@ be rerun without hand-editing a tree:
   (``prefetch.global.L2``; the page ids come from the host-written plan
   image), so the first tile's DRAM latency overlaps the previous kernel's
   tail. Safe while that kernel still writes those lines: the L2 is the
-  point of coherence, and the loads after the wait read through it.
+  point of coherence, and the loads after the wait read through it;
+* ``prefetch_q``: the same for the CTA's q rows (with ``pdl_prefetch``, the
+  first tile's loads after the wait then all hit the L2).
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -91,6 +93,17 @@ _PDL_PREFETCH_NEW = """  {  // variant pdl_prefetch: the first 64 visible slots'
   const T* q_cta"""
 
 
+_PREFETCH_Q_NEW = """  {  // variant prefetch_q: this CTA's q rows into the L2 before the wait
+    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(T), LINES = (ROW_BYTES + 127) / 128;
+    const char* q0 = reinterpret_cast<const char*>(static_cast<const T*>(p.q) + req * p.stride_q_batch
+                                                   + head0 * p.stride_q_head);
+    for (int i = threadIdx.x; i < HEADS * LINES; i += blockDim.x)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(q0 + (i / LINES) * p.stride_q_head * (long long)sizeof(T)
+                                                    + min((i % LINES) * 128, ROW_BYTES - 16)));
+  }
+""" + _PDL_PREFETCH_OLD
+
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -100,6 +113,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "no_evict_first": [("attend_mma.cuh", "constexpr bool EVICT_FIRST = sizeof(KV) == 2;",
                         "constexpr bool EVICT_FIRST = false;  // variant no_evict_first")],
     "pdl_prefetch": [("paged_decode_partial.cu", _PDL_PREFETCH_OLD, _PDL_PREFETCH_NEW)],
+    "prefetch_q": [("paged_decode_partial.cu", _PDL_PREFETCH_OLD, _PREFETCH_Q_NEW)],
 }
 
 
