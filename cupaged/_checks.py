@@ -71,21 +71,19 @@ def check_inputs(q, k_cache, v_cache, table: PageTable) -> str:
     return name
 
 
-UINT8 = np.dtype(np.uint8)
-
-
 def dtype_variant(q_dtype, k_dtype, v_dtype) -> str:
     """Module variant of (q, caches): the shared dtype's name, or
-    ``"<q>+float8_e4m3fn"`` for uint8 (e4m3 bits) caches under a 16-bit q."""
-    fp8 = k_dtype == UINT8
-    if k_dtype != v_dtype or not (fp8 or q_dtype == k_dtype):
+    ``"<q>+float8_e4m3fn"`` for uint8 (e4m3 bits) caches under a 16-bit q
+    (``_configs.stored_format``)."""
+    fmt = _configs.stored_format(k_dtype)
+    if k_dtype != v_dtype or not (fmt is not None or q_dtype == k_dtype):
         raise DTypeError(
             f"q, k_cache and v_cache must share one dtype, or the caches hold fp8 (uint8 e4m3 bits) under a "
             f"float16/bfloat16 q; got {q_dtype}, {k_dtype}, {v_dtype}"
         )
     try:
         name = _configs.dtype_name(q_dtype)
-        return _configs.variant(name, _configs.FP8) if fp8 else name
+        return name if fmt is None else _configs.variant(name, fmt.name)
     except ValueError:
         raise DTypeError(
             f"q has dtype {q_dtype} and the caches {k_dtype}, which no kernel serves; supported: "

@@ -7,28 +7,54 @@ is supported) and is what the CI compile check walks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import ml_dtypes
 
 from . import _env
 
-# numpy dtype name -> C++ storage type in cuda_src/common.cuh
-DTYPES: dict[str, str] = {
-    "float16": "cupaged::f16",
-    "bfloat16": "cupaged::bf16",
-    "float32": "float",
-}
-HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 256)
-# fp8 KV cache: CuPy has no float8 dtype, so an e4m3 cache is a uint8 array of
-# float8_e4m3fn bit patterns; q and out stay float16 or bfloat16.
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One element format of a KV cache that the kernels read: the one table
+    that the dtype names, the kernels' C++ types, the q/KV pairs and the
+    cache arrays' storage dtypes below derive from, and that plan, decode,
+    gather, append, reference and the error messages read."""
+
+    name: str                  # the values' dtype name, as plans and messages spell it
+    cpp: str                   # C++ storage type (cuda_src/common.cuh)
+    storage: str               # dtype of a CuPy cache array holding it (CuPy has no float8: uint8 bits)
+    scaled: bool               # dequantized by k_scale / v_scale; q and out stay 16-bit
+    q_dtypes: tuple[str, ...]  # the q dtypes a kernel pairs it with
+
+
 FP8 = "float8_e4m3fn"
-KV_STORAGE: dict[str, str] = {FP8: "cupaged::e4m3"}
-# q dtype -> KV dtypes a kernel pairs it with (the first is q's own).
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
+    KVFormat("float16", "cupaged::f16", "float16", False, ("float16",)),
+    KVFormat("bfloat16", "cupaged::bf16", "bfloat16", False, ("bfloat16",)),
+    KVFormat("float32", "float", "float32", False, ("float32",)),
+    KVFormat(FP8, "cupaged::e4m3", "uint8", True, ("float16", "bfloat16")),
+)}
+# q (and out, and an unscaled cache) dtype name -> C++ type
+DTYPES: dict[str, str] = {f.name: f.cpp for f in KV_FORMATS.values() if not f.scaled}
+HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 256)
+# scaled (fp8) KV format -> C++ type
+KV_STORAGE: dict[str, str] = {f.name: f.cpp for f in KV_FORMATS.values() if f.scaled}
+# q dtype -> KV formats a kernel pairs it with (the first is q's own).
 KV_DTYPES: dict[str, tuple[str, ...]] = {
-    "float16": ("float16", FP8),
-    "bfloat16": ("bfloat16", FP8),
-    "float32": ("float32",),
-}
+    q: (q, *(f.name for f in KV_FORMATS.values() if f.scaled and q in f.q_dtypes)) for q in DTYPES}
+# storage dtype name of a scaled format's cache arrays -> that format (uint8 -> fp8)
+_STORED: dict[str, KVFormat] = {f.storage: f for f in KV_FORMATS.values() if f.scaled}
+
+
+def stored_format(cache_dtype) -> KVFormat | None:
+    """The scaled KV format whose cache arrays have dtype ``cache_dtype``
+    (uint8: fp8 e4m3 bits), or None (a cache of plain values)."""
+    return _STORED.get(np.dtype(cache_dtype).name)
+
+
 # Query heads one CTA of the partial kernel serves (plan.heads_per_cta picks
 # the largest divisor of the GQA group size in this range).
 HEADS_PER_CTA: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)

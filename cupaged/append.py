@@ -30,7 +30,6 @@ __all__ = ["append_kv"]
 
 _THREADS = 128  # APPEND_THREADS in cuda_src/append_kv.cu
 _NULL = np.uint64(0)
-_E4M3_BITS = np.dtype(np.uint8)  # an fp8 e4m3fn cache on the GPU: uint8 bit patterns
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _GRID_X_MAX = 2**31 - 1
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -278,8 +277,9 @@ def _append_instance(k_new, v_new, k_cache, v_cache) -> tuple[str, int]:
         raise DTypeError(f"k_cache and v_cache must share one dtype, got {cache_dtype} and {v_cache.dtype}")
     if cache_dtype == new_dtype:
         return dtype, 0
-    if cache_dtype == _E4M3_BITS:
-        return dtype, 1
+    fmt = _configs.stored_format(cache_dtype)  # (uint8: fp8 e4m3fn bits)
+    if fmt is not None and fmt.name in _configs.APPEND_CACHE_TYPES:
+        return dtype, _configs.APPEND_CACHE_TYPES.index(fmt.name)
     raise DTypeError(
         f"the caches' dtype must be k_new's ({new_dtype}) or uint8 (float8 e4m3fn bits), got {cache_dtype}"
     )

@@ -100,12 +100,14 @@ def cache_key(device_name: str, dtype, head_dim: int, group_size: int, table: Pa
 
 
 def _fp8(kv_dtype) -> bool:
-    return np.dtype(kv_dtype) in (np.dtype(np.uint8), np.dtype(ml_dtypes.float8_e4m3fn))
+    return _configs.stored_format(kv_dtype) is not None or np.dtype(kv_dtype) == np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def _kv_dtype(q, k_cache):
-    """plan_decode's kv_dtype for these arrays: fp8 for uint8 caches, else None."""
-    return _configs.FP8 if k_cache.dtype == np.uint8 and q.dtype != np.uint8 else None
+    """plan_decode's kv_dtype for these arrays: the scaled format a cache of
+    its storage dtype holds (fp8 for uint8), else None."""
+    fmt = _configs.stored_format(k_cache.dtype) if k_cache.dtype != q.dtype else None
+    return None if fmt is None else fmt.name
 
 
 def cache_path() -> Path:

@@ -614,8 +614,8 @@ def _check_plan(plan, q, k_cache, hkv: int, shared_table, unique_table, group_in
             f"plan must be a cupaged.CascadePlan from plan_cascade or None, got {type(plan).__name__}"
         )
     _, hq, d = q.shape
-    fp8 = k_cache.dtype == np.uint8
-    expected = (hq, hkv, d, np.dtype(q.dtype), "float8_e4m3fn" if fp8 else np.dtype(q.dtype).name)
+    fmt = _configs.stored_format(k_cache.dtype)
+    expected = (hq, hkv, d, np.dtype(q.dtype), np.dtype(q.dtype).name if fmt is None else fmt.name)
     got = (plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.dtype, np.dtype(plan.kv_dtype).name)
     if got != expected:
         raise PlanMismatchError(

@@ -14,6 +14,7 @@ import weakref
 
 import numpy as np
 
+from . import _configs
 from .page_table import PageTable
 
 LOG2E = 1.0 / math.log(2.0)
@@ -100,7 +101,7 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
     # masked score still multiplies that entry's V (0 * NaN = NaN).
     pad = ~valid[:, :, None, None]
     k, v = k_cache[page, slot], v_cache[page, slot]  # [B, L, Hkv, D]
-    if k.dtype == np.uint8:  # fp8 e4m3 bits: exact float32 values, matmuls in float32
+    if _configs.stored_format(k.dtype) is not None:  # fp8 e4m3 bits: exact float32 values, matmuls in float32
         lut = _e4m3_values(q.data.device_id)
         k, v, compute = lut[k], lut[v], cupy.float32
     k = cupy.where(pad, 0, k).astype(compute, copy=False)

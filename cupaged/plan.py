@@ -157,7 +157,8 @@ def canonical_kv_dtype(kv_dtype: Any) -> np.dtype:
     except TypeError as exc:
         raise InvalidArgumentError(
             f"kv_dtype must be a dtype; supported: {_configs.pairs_text()}, got {kv_dtype!r}") from exc
-    return FLOAT8_E4M3 if dt == np.uint8 else dt
+    fmt = _configs.stored_format(dt)  # (uint8: fp8 bits)
+    return dt if fmt is None else np.dtype(fmt.name)
 
 
 def _kv_dtype(kv_dtype: Any, dtype: np.dtype) -> np.dtype:

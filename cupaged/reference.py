@@ -46,6 +46,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from . import _configs
 from ._validate import plan_mismatch_reason
 from .errors import (
     ArgumentTypeError,
@@ -90,8 +91,9 @@ def _host(x: Any, name: str, fp8: bool = False) -> np.ndarray:
     if not isinstance(x, np.ndarray) and hasattr(x, "get"):
         x = x.get()
     arr = np.asarray(x)
-    if fp8 and arr.dtype == np.uint8:
-        return arr.view(_E4M3)  # same itemsize: any strides stay valid
+    fmt = _configs.stored_format(arr.dtype) if fp8 else None  # (uint8: fp8 e4m3fn bits)
+    if fmt is not None:
+        return arr.view(np.dtype(fmt.name))  # same itemsize: any strides stay valid
     if fp8 and arr.dtype == _E4M3:
         return arr
     if arr.dtype not in _FLOAT_DTYPES:

@@ -122,7 +122,7 @@ class DecodeRunner:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size, self.dtype, self.kv_dtype = probe.page_size, probe.dtype, probe.kv_dtype
         q_name = _configs.dtype_name(probe.dtype)
-        self.variant = q_name if probe.kv_dtype == probe.dtype else _configs.variant(q_name, _configs.FP8)
+        self.variant = _configs.variant(q_name, probe.kv_dtype.name)
         try:
             _configs.choose_core(self.variant, head_dim)
         except ValueError as e:
