@@ -85,7 +85,7 @@ MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (7
 # Programmatic dependent launch of the partial kernel (on unless env
 # CUPAGED_PDL=0, read at import: the kernel's griddepcontrol instructions are
 # compiled in only then, and its launches on sm_90+ go through
-# cuLaunchKernelEx). H200: small cells in a graph of layers 5-10 % faster.
+# cuLaunchKernelEx). H200: small cells in a graph of layers 4-10 % faster.
 PDL: bool = _env.pdl()
 
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
