@@ -141,7 +141,7 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Programmatic dependent launch (sm_90; compiled in with CUPAGED_PDL, which
-// env CUPAGED_PDL=1 defines and whose launches allow the overlap): once every
+// is defined unless env CUPAGED_PDL=0, and whose launches allow the overlap): once every
 // CTA of this kernel has called pdl_trigger, the next kernel in the stream
 // may start; pdl_wait returns once the previous kernel has finished and its
 // writes are visible. Without CUPAGED_PDL both are empty.

@@ -15,7 +15,6 @@ import ml_dtypes
 from . import _env
 
 
-
 @dataclass(frozen=True)
 class KVFormat:
     """One element format of a KV cache that the kernels read: the one table

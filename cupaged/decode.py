@@ -247,7 +247,7 @@ def _decode_v2(q, k_cache, v_cache, table, plan, dtype: str, scores, out, lse, c
     if plan is None:
         check_core(dtype, head_dim)
         plan = plan_decode(table, q.shape[1], k_cache.shape[2], head_dim, q.dtype,
-                           kv_dtype=None if k_cache.dtype == q.dtype else _configs.FP8)
+                           kv_dtype=_configs.split_variant(dtype)[1])
         state = plan_state(plan, dtype, table)
     else:
         states = plan_states(plan)

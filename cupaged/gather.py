@@ -72,7 +72,7 @@ def gather_decode(q, k_cache, v_cache, table: PageTable, scale_log2: float, out,
                   sinks=None) -> None:
     """Writes the decode of ``q`` into ``out`` (and the log2 LSE into ``lse``).
 
-    Score arguments as the kernels' (cupaged.decode.ScoreArgs): base-2 logits
+    Score arguments as the kernels' (cupaged._checks.ScoreArgs): base-2 logits
     ``s = (q.k) * scale_log2 * k_head_scale[h]``, then ``soft_cap * tanh(s)``
     when ``soft_cap > 0``; output times ``v_scale * v_head_scale[h]``. Caches
     NHD views (HND is passed transposed); uint8 caches are fp8 e4m3 bits.

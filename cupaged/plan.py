@@ -286,7 +286,7 @@ def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) 
     (3, 1)
     """
     name = _configs.dtype_name(dtype)
-    variant = name if kv_dtype == dtype else f"{name}+{_configs.FP8}"
+    variant = _configs.variant(name, np.dtype(kv_dtype).name)
     try:
         requested = _env.core()  # read every call (a malformed value gives the default, as before)
     except ValueError:
@@ -845,7 +845,7 @@ def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int
     request's tokens in groups of the kernel's tokens per CTA, or None when
     it serves one token at a time (the CUDA-core core; a head_dim without
     an instance, which runs the gather path)."""
-    variant = _configs.variant(_configs.dtype_name(dt), None if kv_dt == dt else _configs.FP8)
+    variant = _configs.variant(_configs.dtype_name(dt), kv_dt.name)
     try:
         core = _configs.choose_core(variant, d, _env.core())
     except ValueError:

@@ -49,9 +49,10 @@ steps:
   features2   GPU time of sinks, sliding windows and 2-8 query tokens per request
               against the plain call
               (feature_cost.py)
-  pdl         programmatic dependent launch (on by default): the main-fp16 issue-5 cells with
-              CUPAGED_PDL=0 and with the default, then large_report.py of the default against 0
-              (its GPU tests run in the step tests)
+  pdl         programmatic dependent launch (on by default): the decode, hot-path and runner GPU
+              tests under CUPAGED_PDL=0 (the opt-out and pre-sm_90 path; the step tests runs the
+              default), then the main-fp16 issue-5 cells with CUPAGED_PDL=0 and with the default,
+              and large_report.py of the default against 0
   suite_ab    the main-fp16 issue-5 cells (v2, small cells over rotating caches) for each kernel
               source tree in env AB_TREES (default: this tree's cuda_src), then large_report.py of
               each later tree against the first (e.g. AB_TREES="cuda_src .variants/pdl_prefetch",
@@ -137,19 +138,21 @@ for s in $steps; do case $s in
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
            run memcheck_runtime 230 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_runner.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_hot_path.py -k 'not two_devices and not freed'" ;;
-  pdl)  # programmatic dependent launch (on by default): the main-fp16 cells without (CUPAGED_PDL=0) and with it
+  pdl)  # programmatic dependent launch (on by default): the opt-out's GPU tests, then the main-fp16 cells
+        # without (CUPAGED_PDL=0) and with it
+    run pdl0_tests 200 "CUPAGED_PDL=0 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pdl.py tests/test_hot_path.py tests/test_runner.py tests/test_gpu_decode.py -k 'pdl or hot or runner or v2_matches_reference or ragged or graph'"
     for v in 0 1; do
       run "pdl_ab_$v" 150 "CUPAGED_PDL=$v python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --budget-s 100 --out-dir $work/pdl_$v"
     done
     run pdl_compare 30 "python3 scripts/large_report.py $work/pdl_1/microbench-issue5.csv --baseline $work/pdl_0/microbench-issue5.csv --baseline-label CUPAGED_PDL=0 --out $work/pdl_report"
     cat "$work/pdl_compare.log"; grep "^| main" "$work/pdl_report.md" ;;
   suite_ab)  # issue-5 main-fp16 cells per kernel source tree, each against the first
-    i=0; first=""
+    i=0; first=""; first_tree=""
     for tree in ${AB_TREES:-cuda_src}; do
-      run "suite_ab_$i" 150 "CUPAGED_CUDA_SRC=$PWD/$tree python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --budget-s 100 --out-dir $work/suite_$i"
-      if [ -z "$first" ]; then first=$work/suite_$i/microbench-issue5.csv; else
-        run "suite_ab_report_$i" 30 "python3 scripts/large_report.py $work/suite_$i/microbench-issue5.csv --baseline $first --baseline-label '${AB_TREES%% *}' --out $work/suite_ab_$i"
-        echo "== $tree against ${AB_TREES%% *}"; grep SUMMARY "$work/suite_ab_report_$i.log"
+      run "suite_ab_$i" 150 "CUPAGED_CUDA_SRC='$(realpath "$tree")' python3 scripts/microbench.py --suite issue5 --groups main-fp16-p16 --methods v2 --budget-s 100 --out-dir $work/suite_$i"
+      if [ -z "$first" ]; then first=$work/suite_$i/microbench-issue5.csv; first_tree=$tree; else
+        run "suite_ab_report_$i" 30 "python3 scripts/large_report.py $work/suite_$i/microbench-issue5.csv --baseline $first --baseline-label '$first_tree' --out $work/suite_ab_$i"
+        echo "== $tree against $first_tree"; grep SUMMARY "$work/suite_ab_report_$i.log"
         grep "^| main" "$work/suite_ab_$i.md" | awk -F'|' '{print $3,$4,$8,$16,$17,$21}'
       fi
       i=$((i + 1))

@@ -256,8 +256,11 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     dec = importlib.import_module("cupaged._plan_launch")
     state = dec.plan_states(plan).last
     stream = cupy.cuda.get_current_stream().ptr
-    launch, fn, grid, block, smem, arg = (state._launch, state.function, state.units * state.heads_groups,
-                                          state.block, state.smem, state.params_ptr)
+    from cupy_backends.cuda.api import driver
+
+    launch = driver.launchKernel  # CuPy's cuLaunchKernel (the launch state may use cuLaunchKernelEx: PDL)
+    fn, grid, block, smem, arg = (state.function, state.units * state.heads_groups, state.block, state.smem,
+                                  state.params_ptr)
     timed(lambda: launch(fn, grid, 1, 1, block, 1, 1, smem, stream, arg, 0), "piece: driver launchKernel alone")
     from cupaged._launch import ExLauncher
 

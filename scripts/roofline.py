@@ -20,7 +20,8 @@ prints ptxas's report (no GPU needed; the CPU test does this).
 ``--small MB ...`` measures instead what a small launch costs beyond its
 bytes (issue 20's "<= bytes / roofline + 4 us" target): a CUDA graph of
 ``--layers`` back-to-back int4 reads, each of its own buffer of that size
-(cold L2, like a model's layers), and the same graph of empty kernels; per
+(cold L2, like a model's layers, while ``--layers`` x MB is well beyond the
+60 MB L2), and the same graph of empty kernels; per
 launch: GPU time, and time minus bytes / ``--roofline-tbps``. A plain read
 has no page table, no dependent loads and no merge, so its excess is a floor
 under any decode kernel's.
