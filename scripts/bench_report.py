@@ -383,6 +383,19 @@ def _table(headers: Sequence[str], lines: Iterable[str]) -> list[str]:
     return ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|", *lines]
 
 
+def report_header(title: str, meta: Mapping[str, Any], command_suffix: str = "") -> list[str]:
+    """The opening lines every report shares: ``# title (date)``, then the
+    command (``command_suffix`` appended), GPU, date and commit, and the
+    software versions when ``meta`` has them."""
+    lines = [f"# {title} ({str(meta.get('date', '?'))[:10]})", ""]
+    lines.append(f"- **Command**: `{meta.get('command', '?')}`{command_suffix}")
+    lines.append(f"- **GPU**: {meta.get('gpu', '?')}; clocks as found")
+    lines.append(f"- **Date**: {meta.get('date', '?')}; **commit**: `{meta.get('commit', '?')}`")
+    if meta.get("versions"):
+        lines.append(f"- **Software**: {meta['versions']}")
+    return lines
+
+
 def markdown_report(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> str:
     """The issue #5 report: header (command, GPU, date, commit, spread),
     target counts and the geometric mean, host times, then one table per
@@ -391,12 +404,7 @@ def markdown_report(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any] |
     versions, timing, elapsed_s, planned, skipped (list of str), notes (list
     of str)."""
     meta = dict(meta or {})
-    lines = [f"# cupaged paged decode vs FlashInfer: issue #5 targets ({meta.get('date', '?')[:10]})", ""]
-    lines.append(f"- **Command**: `{meta.get('command', '?')}`")
-    lines.append(f"- **GPU**: {meta.get('gpu', '?')}; clocks as found")
-    lines.append(f"- **Date**: {meta.get('date', '?')}; **commit**: `{meta.get('commit', '?')}`")
-    if meta.get("versions"):
-        lines.append(f"- **Software**: {meta['versions']}")
+    lines = report_header("cupaged paged decode vs FlashInfer: issue #5 targets", meta)
     lines.append(
         "- **Time**: GPU µs per call under CUDA-graph replay, median over repetitions (methods interleaved, "
         "same cache buffers and page table for every method; gather cannot be captured (cuBLAS) and is timed "

@@ -156,12 +156,8 @@ def _line(r: Mapping[str, Any]) -> str:
 
 
 def markdown(rows: Sequence[Mapping[str, Any]], meta: Mapping[str, Any], source: str, baseline_label: str) -> str:
-    lines = [f"# cupaged paged decode on large batches: issue #20 targets ({str(meta.get('date', '?'))[:10]})", ""]
-    lines.append(f"- **Command**: `{meta.get('command', '?')}`, then `python3 scripts/large_report.py {source}`")
-    lines.append(f"- **GPU**: {meta.get('gpu', '?')}; clocks as found")
-    lines.append(f"- **Date**: {meta.get('date', '?')}; **commit**: `{meta.get('commit', '?')}`")
-    if meta.get("versions"):
-        lines.append(f"- **Software**: {meta['versions']}")
+    lines = br.report_header("cupaged paged decode on large batches: issue #20 targets", meta,
+                             f", then `python3 scripts/large_report.py {source}`")
     lines.append("- **Time**: the issue-5 suite's (GPU µs per call under CUDA-graph replay, median over repetitions, "
                  "v2 and FlashInfer's two decode variants interleaved on the same caches). "
                  + str(meta.get("timing", "")))

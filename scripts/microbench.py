@@ -2368,12 +2368,7 @@ def ragged_markdown_report(rows: list[dict], meta: dict) -> str:
     means, then one table per dtype with both targets marked per cell.
     ``meta``: as :func:`run_meta` returns (``planned``, ``elapsed_s``,
     ``skipped``, ``notes`` included)."""
-    lines = [f"# cupaged paged decode vs FlashInfer: ragged batches ({str(meta.get('date', '?'))[:10]})", ""]
-    lines.append(f"- **Command**: `{meta.get('command', '?')}`")
-    lines.append(f"- **GPU**: {meta.get('gpu', '?')}; clocks as found")
-    lines.append(f"- **Date**: {meta.get('date', '?')}; **commit**: `{meta.get('commit', '?')}`")
-    if meta.get("versions"):
-        lines.append(f"- **Software**: {meta['versions']}")
+    lines = bench_report.report_header("cupaged paged decode vs FlashInfer: ragged batches", meta)
     lines.append(f"- **Time**: {meta.get('timing', '')}")
     lines.append(
         "- **Bytes**: every visible K and V element once (one byte each for fp8) + q + out + int32 page table; "
