@@ -145,6 +145,43 @@ struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS, GROUPS> {
   }
 };
 
+// Under PDL, before the wait: the K/V rows of the first 64 visible slots
+// and the CTA's q rows into the L2 (prefetch.global.L2), so the first
+// tile's DRAM latency overlaps the previous kernel's tail instead of
+// following it (issue-5 cells <= 64 MB 3-6 % faster, A/B in
+// docs/benchmarks/h200-prefetch-ab-2026-12-02.md). The page ids come from
+// the plan image. Safe while the previous kernel still writes those lines:
+// a prefetch only warms the L2, the point of coherence, and every load
+// after the wait reads through it.
+template <typename T, typename KV, int HEAD_DIM, int HEADS>
+__device__ __forceinline__ void prefetch_first_tile(const PartialParams& p, const int* indices, int slot_begin,
+                                                    int slot_end, int page_size, int kv_head, int req, int head0) {
+#if defined(CUPAGED_PDL) && __CUDA_ARCH__ >= 900
+  {
+    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(KV), LINES = (ROW_BYTES + 127) / 128;
+    const int n = min(slot_end - slot_begin, 64) * LINES;
+    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
+      const int is_v = i >= n, j = is_v ? i - n : i;
+      const int s = slot_begin + j / LINES, off = min((j % LINES) * 128, ROW_BYTES - 16);
+      const long long page = indices[s / page_size], tok = s % page_size;
+      const char* row = is_v ? reinterpret_cast<const char*>(static_cast<const KV*>(p.v_cache) + page * p.stride_v_page
+                                                             + tok * p.stride_v_token + kv_head * p.stride_v_head)
+                             : reinterpret_cast<const char*>(static_cast<const KV*>(p.k_cache) + page * p.stride_k_page
+                                                             + tok * p.stride_k_token + kv_head * p.stride_k_head);
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    }
+  }
+  {
+    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(T), LINES = (ROW_BYTES + 127) / 128;
+    const char* q0 = reinterpret_cast<const char*>(static_cast<const T*>(p.q) + req * p.stride_q_batch
+                                                   + head0 * p.stride_q_head);
+    for (int i = threadIdx.x; i < HEADS * LINES; i += blockDim.x)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(q0 + (i / LINES) * p.stride_q_head * (long long)sizeof(T)
+                                                    + min((i % LINES) * 128, ROW_BYTES - 16)));
+  }
+#endif
+}
+
 // The kernels' body. Without GROUPS a unit is one request's chunk; with
 // GROUPS (paged_decode_rows) its request is the first row of a row group.
 template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE, bool GROUPS>
@@ -184,6 +221,7 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
   // Up to here only the plan image was read (host-written, before the
   // previous kernel in stream order); q, the scales, the caches, the
   // workspace and out may be the previous kernel's.
+  prefetch_first_tile<T, KV, HEAD_DIM, HEADS>(p, indices, slot_begin, slot_end, page_size, kv_head, req, head0);
   pdl_wait();
 
   const T* q_cta = static_cast<const T*>(p.q) + req * p.stride_q_batch + head0 * p.stride_q_head;

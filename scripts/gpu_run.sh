@@ -55,7 +55,7 @@ steps:
               and large_report.py of the default against 0
   suite_ab    the main-fp16 issue-5 cells (v2, small cells over rotating caches) for each kernel
               source tree in env AB_TREES (default: this tree's cuda_src), then large_report.py of
-              each later tree against the first (e.g. AB_TREES="cuda_src .variants/pdl_prefetch",
+              each later tree against the first (e.g. AB_TREES="cuda_src .variants/no_prefetch",
               carry .variants)
   windows     sliding windows against the full call and FlashInfer's window_left decode
               (window_bench.py; ctx 32768, batch 1/8/32, W 1024/4096/16384)

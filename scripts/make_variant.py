@@ -14,14 +14,11 @@ be rerun without hand-editing a tree:
   the L2 and ~7 % slower on large fp16 cells than today's permuted, aligned rows;
 * ``no_l2_hint``, ``no_evict_first``: without the L2::128B prefetch hint or
   the evict_first policy on 16-bit rows;
-* ``pdl_prefetch`` (issue 20's small cells): before ``griddepcontrol.wait``,
-  each CTA prefetches the K/V rows of its first 64 visible slots into the L2
-  (``prefetch.global.L2``; the page ids come from the host-written plan
-  image), so the first tile's DRAM latency overlaps the previous kernel's
-  tail. Safe while that kernel still writes those lines: the L2 is the
-  point of coherence, and the loads after the wait read through it;
-* ``prefetch_q``: the same for the CTA's q rows (with ``pdl_prefetch``, the
-  first tile's loads after the wait then all hit the L2).
+* ``no_prefetch``: without the partial kernel's L2 prefetch of the first
+  tile's K/V rows and the q rows before ``griddepcontrol.wait``
+  (``prefetch_first_tile``; adopted 2026-12-02 from the experiments
+  ``pdl_prefetch`` and ``prefetch_q``, whose A/B is in
+  docs/benchmarks/h200-prefetch-ab-2026-12-02.md).
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -73,35 +70,8 @@ _PADDED = [
 ]
 
 
-_PDL_PREFETCH_OLD = "  pdl_wait();\n\n  const T* q_cta"
-_PDL_PREFETCH_NEW = """  {  // variant pdl_prefetch: the first 64 visible slots' K/V rows into the L2 before the wait
-    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(KV), LINES = (ROW_BYTES + 127) / 128;
-    const int n = min(slot_end - slot_begin, 64) * LINES;
-    for (int i = threadIdx.x; i < 2 * n; i += blockDim.x) {
-      const int is_v = i >= n, j = is_v ? i - n : i;
-      const int s = slot_begin + j / LINES, off = min((j % LINES) * 128, ROW_BYTES - 16);
-      const long long page = indices[s / page_size], tok = s % page_size;
-      const char* row = is_v ? reinterpret_cast<const char*>(static_cast<const KV*>(p.v_cache) + page * p.stride_v_page
-                                                             + tok * p.stride_v_token + kv_head * p.stride_v_head)
-                             : reinterpret_cast<const char*>(static_cast<const KV*>(p.k_cache) + page * p.stride_k_page
-                                                             + tok * p.stride_k_token + kv_head * p.stride_k_head);
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-    }
-  }
-  pdl_wait();
-
-  const T* q_cta"""
-
-
-_PREFETCH_Q_NEW = """  {  // variant prefetch_q: this CTA's q rows into the L2 before the wait
-    constexpr int ROW_BYTES = HEAD_DIM * (int)sizeof(T), LINES = (ROW_BYTES + 127) / 128;
-    const char* q0 = reinterpret_cast<const char*>(static_cast<const T*>(p.q) + req * p.stride_q_batch
-                                                   + head0 * p.stride_q_head);
-    for (int i = threadIdx.x; i < HEADS * LINES; i += blockDim.x)
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(q0 + (i / LINES) * p.stride_q_head * (long long)sizeof(T)
-                                                    + min((i % LINES) * 128, ROW_BYTES - 16)));
-  }
-""" + _PDL_PREFETCH_OLD
+_PREFETCH_CALL = ("  prefetch_first_tile<T, KV, HEAD_DIM, HEADS>(p, indices, slot_begin, slot_end, page_size, kv_head, "
+                  "req, head0);\n")
 
 
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
@@ -112,8 +82,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
                     "constexpr bool L2_HINT = false;  // variant no_l2_hint")],
     "no_evict_first": [("attend_mma.cuh", "constexpr bool EVICT_FIRST = sizeof(KV) == 2;",
                         "constexpr bool EVICT_FIRST = false;  // variant no_evict_first")],
-    "pdl_prefetch": [("paged_decode_partial.cu", _PDL_PREFETCH_OLD, _PDL_PREFETCH_NEW)],
-    "prefetch_q": [("paged_decode_partial.cu", _PDL_PREFETCH_OLD, _PREFETCH_Q_NEW)],
+    "no_prefetch": [("paged_decode_partial.cu", _PREFETCH_CALL, "  // variant no_prefetch\n")],
 }
 
 

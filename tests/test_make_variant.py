@@ -49,7 +49,7 @@ def test_cli_refuses_an_unknown_variant_and_an_existing_folder(tmp_path):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("combo", ["predicated+padded+no_l2_hint+no_evict_first+pdl_prefetch+prefetch_q", "padded"])
+@pytest.mark.parametrize("combo", ["predicated+padded+no_l2_hint+no_evict_first+no_prefetch", "padded"])
 def test_variants_compile_for_sm90_without_spills(combo, tmp_path):
     out = tmp_path / "v"
     make_variant.apply(combo.split("+"), out)
