@@ -234,7 +234,10 @@ def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _C
     unit_bytes *= page_bytes                                         # bytes one CTA of the group reads
     ctas = per_request                                               # (chunk counts: not read again)
     ctas *= group_ctas
-    n_prefix = np.add.accumulate(ctas, axis=0)                       # (np.cumsum's wrapper costs ~1 µs)
+    # prefix sums by a product with the lower triangle of ones: the CTA counts
+    # are whole numbers far below 2**53, so any summation order gives the
+    # same doubles, in ~2 µs less than np.add.accumulate along axis 0
+    n_prefix = np.matmul(_lower_ones(length.shape[0]), ctas)
     unit_full = unit_bytes * inv_rate
     unit_full += cta_us                                              # µs of a CTA on a full device
     ctas *= unit_full                                                # (CTA counts: not read again)
@@ -250,13 +253,23 @@ def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _C
     np.maximum(cta_alone, partial, out=partial)
     partial *= unit_bytes
     partial += cta_us
-    partial *= rest > zero
+    np.minimum(rest, one, out=rest)                                  # 1 where a partial wave runs, else 0
+    partial *= rest                                                  # (rest: a whole number >= 0)
     waves *= unit_full
     waves += partial
     bound = np.maximum.reduce(waves, axis=0)
     np.maximum(bound, work, out=bound)
     bound += merge
     return bound
+
+
+@functools.lru_cache(maxsize=64)
+def _lower_ones(groups: int) -> np.ndarray:
+    """``[G, G]`` float64 lower triangle of ones (a prefix sum as a matrix
+    product), read-only, cached per group count."""
+    tri = np.tri(groups)
+    tri.flags.writeable = False
+    return tri
 
 
 def _merge_us(longest: float, caps: np.ndarray, costs: StepCosts) -> np.ndarray:
