@@ -32,7 +32,9 @@ struct RowMap {
   static constexpr int NVEC = HEAD_DIM / VEC;                 // 16-byte vectors per row
   // (two vectors only when NVEC is a power of two: 96's six-lane rows spill)
   static constexpr int WANT_VPT = HEADS <= 4 && NVEC >= 2 && (NVEC & (NVEC - 1)) == 0 ? 2 : 1;
-  static constexpr int ACTIVE = NVEC / WANT_VPT < 32 ? NVEC / WANT_VPT : 32;  // lanes holding data
+  // lanes holding data: all of a short row's vectors, else 32 lanes, or 16
+  // when 32 do not divide the row (float32 head_dim 192: 48 vectors, 3 a lane)
+  static constexpr int ACTIVE = NVEC / WANT_VPT <= 32 ? NVEC / WANT_VPT : NVEC % 32 == 0 ? 32 : 16;
   static constexpr int TPR = ACTIVE <= 1 ? 1 : ACTIVE <= 2 ? 2 : ACTIVE <= 4 ? 4 : ACTIVE <= 8 ? 8
                              : ACTIVE <= 16 ? 16 : 32;          // lanes per token row (a power of two)
   static constexpr int VPT = NVEC / ACTIVE;                    // vectors per lane
@@ -41,7 +43,8 @@ struct RowMap {
   // Tokens per lane per pipeline stage: two amortize the loop when a lane
   // holds one vector; the ring stays within RING_BYTES either way.
   static constexpr int UNROLL = VPT == 1 ? 2 : 1;
-  static_assert(HEAD_DIM % VEC == 0 && NVEC % ACTIVE == 0, "head_dim must be a multiple of 16 bytes");
+  static_assert(HEAD_DIM % VEC == 0, "head_dim must be a multiple of 16 bytes");
+  static_assert(NVEC % ACTIVE == 0, "no lane mapping of this head_dim's 16-byte vectors (a multiple of 16 above 32)");
   // Lane li < ACTIVE of a group holds elements [v*ACTIVE*VEC + li*VEC, +VEC) for v < VPT.
   __device__ __forceinline__ static int dim(int li, int v) { return v * ACTIVE * VEC + li * VEC; }
 };

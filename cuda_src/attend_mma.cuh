@@ -79,6 +79,10 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
+__device__ __forceinline__ void ldmatrix_x2(unsigned* r, const void* smem) {  // (lanes 0-15's addresses)
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* smem) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -120,7 +124,8 @@ struct MmaLayout {
   static constexpr int BUDGET = MMA_SMEM_BYTES - PAGE_WINDOW * 4;
   static constexpr int STAGES = BUDGET / STAGE_BYTES < MMA_MAX_STAGES ? BUDGET / STAGE_BYTES : MMA_MAX_STAGES;
   static_assert(STAGES >= 2, "the K/V ring needs two stages: raise CUPAGED_MMA_SMEM_KB");
-  static_assert(HEAD_DIM % 32 == 0 && (MMA_TILE * CPR) % 32 == 0, "unsupported HEAD_DIM");
+  // (16-bit rows: whole 16-dim k-steps; fp8 rows: the transposed tile's 32-dim blocks)
+  static_assert(HEAD_DIM % (sizeof(KV) == 1 ? 32 : 16) == 0 && (MMA_TILE * CPR) % 32 == 0, "unsupported HEAD_DIM");
 };
 
 // ROWS: the query rows a CTA combines (its heads, or a row group's rows).
@@ -349,7 +354,8 @@ struct RowsTile {
   }
 
   __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int s1) {
-    // S = Q K^T: two n-tiles of 8 tokens; one ldmatrix.x4 covers 32 dims of one n-tile.
+    // S = Q K^T: two n-tiles of 8 tokens; one ldmatrix.x4 covers 32 dims of one n-tile
+    // (an odd last k-step, head_dim 80: one ldmatrix.x2 of 16 dims).
     float s[2][4];
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -357,11 +363,16 @@ struct RowsTile {
 #pragma unroll
       for (int k = 0; k < KSTEPS; k += 2) {
         unsigned b[4];
-        ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][L::at(lane, (k * 16 + (lane / 8) * 8) * 2)]);
+        if (k + 1 < KSTEPS) {
+          ldmatrix_x4(b, &kt[n * 8 + (lane % 8)][L::at(lane, (k * 16 + (lane / 8) * 8) * 2)]);
+        } else {
+          ldmatrix_x2(b, &kt[n * 8 + (lane % 8)][L::at(lane, (k * 16 + (lane / 8 % 2) * 8) * 2)]);
+        }
         M::mma(s[n], qa[0][k][0], GROUPS ? qa[HALVES - 1][k][0] : 0u, qa[0][k][1],
                GROUPS ? qa[HALVES - 1][k][1] : 0u, b[0], b[1]);
-        M::mma(s[n], qa[0][k + 1][0], GROUPS ? qa[HALVES - 1][k + 1][0] : 0u, qa[0][k + 1][1],
-               GROUPS ? qa[HALVES - 1][k + 1][1] : 0u, b[2], b[3]);
+        if (k + 1 < KSTEPS)
+          M::mma(s[n], qa[0][k + 1][0], GROUPS ? qa[HALVES - 1][k + 1][0] : 0u, qa[0][k + 1][1],
+                 GROUPS ? qa[HALVES - 1][k + 1][1] : 0u, b[2], b[3]);
       }
     }
     // Online softmax of rows g (s[n][0..1]) and g + 8 (s[n][2..3]) over this

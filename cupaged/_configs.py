@@ -8,6 +8,7 @@ is supported) and is what the CI compile check walks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import ml_dtypes
@@ -38,7 +39,7 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
 )}
 # q (and out, and an unscaled cache) dtype name -> C++ type
 DTYPES: dict[str, str] = {f.name: f.cpp for f in KV_FORMATS.values() if not f.scaled}
-HEAD_DIMS: tuple[int, ...] = (64, 96, 128, 256)
+HEAD_DIMS: tuple[int, ...] = (64, 80, 96, 128, 192, 256)
 # scaled (fp8) KV format -> C++ type
 KV_STORAGE: dict[str, str] = {f.name: f.cpp for f in KV_FORMATS.values() if f.scaled}
 # q dtype -> KV formats a kernel pairs it with (the first is q's own).
@@ -80,6 +81,8 @@ MMA_MIN_BLOCKS: int = _env.mma_min_blocks()
 # (The head_dim-64 16-bit and float32 CUDA-core instances fit more than their
 # bound too; their plans were not re-measured, so they keep it.)
 MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2) else MMA_MIN_BLOCKS
+# (that count holds up to head_dim 128; at 192 the fp8 instances take ~200
+# registers: mma_traits)
 
 # Programmatic dependent launch of the partial kernel (on unless env
 # CUPAGED_PDL=0, read at import: the kernel's griddepcontrol instructions are
@@ -99,8 +102,15 @@ PDL: bool = _env.pdl()
 CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
     "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
     "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS,
-             ("float16", "bfloat16", f"float16+{FP8}", f"bfloat16+{FP8}"), (64, 96, 128)),
+             ("float16", "bfloat16", f"float16+{FP8}", f"bfloat16+{FP8}"), (64, 80, 96, 128, 192)),
 }
+# The tensor cores' head dims per KV width ({fp8: dims}; core_head_dims). 16-bit
+# rows (RowsTile) keep O as 16 rows x head_dim f32 accumulators: at 192 that
+# is 96 registers a lane, and the instance hits 255 registers and spills 300
+# bytes (NVRTC, sm_90), so 16-bit 192 runs on the CUDA cores, as 256 does.
+# The fp8 tile (ColsTile) keeps O^T, half of that, in 32-dim blocks: 192
+# (~200 registers, 2 CTAs per SM: mma_traits) but not 80.
+MMA_HEAD_DIMS: dict[bool, tuple[int, ...]] = {False: (64, 80, 96, 128), True: (64, 96, 128, 192)}
 CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
 
 
@@ -194,7 +204,7 @@ def name_expressions(family: str, dtype: str, head_dim: int) -> list[str]:
     ``dtype`` is a module variant (:func:`variant`) for the partial family."""
     if family in PARTIAL_FAMILIES:
         return [f"cupaged::{PARTIAL_FAMILIES[family]}<{_storage(dtype)}, {head_dim}, {h}, {core}>"
-                for core, _, dtypes, dims in CORES.values() if dtype in dtypes and head_dim in dims
+                for name, (core, _, _, _) in CORES.items() if serves(name, dtype, head_dim)
                 for h in HEADS_PER_CTA]
     t = DTYPES[dtype]
     if family == "v1":
@@ -206,9 +216,18 @@ def name_expressions(family: str, dtype: str, head_dim: int) -> list[str]:
     raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(SOURCES)}")
 
 
-def serves(core: str, dtype: str, head_dim: int) -> bool:
+def core_head_dims(core: str, dtype: str) -> tuple[int, ...]:
+    """The head dims ``core`` serves for a module variant (none when it
+    does not serve the dtype; the tensor cores' per KV width:
+    ``MMA_HEAD_DIMS``)."""
     _, _, dtypes, dims = CORES[core]
-    return dtype in dtypes and head_dim in dims
+    if dtype not in dtypes:
+        return ()
+    return MMA_HEAD_DIMS[is_fp8(dtype)] if core == "mma" else dims
+
+
+def serves(core: str, dtype: str, head_dim: int) -> bool:
+    return head_dim in core_head_dims(core, dtype)
 
 
 def choose_core(dtype: str, head_dim: int, requested: str | None = None) -> str:
@@ -223,20 +242,62 @@ def choose_core(dtype: str, head_dim: int, requested: str | None = None) -> str:
     for c in CORE_PREFERENCE:
         if serves(c, dtype, head_dim):
             return c
-    served = "; ".join(f"{c}: {', '.join(CORES[c][2])} at head_dim {', '.join(map(str, CORES[c][3]))}"
-                       for c in CORE_PREFERENCE)
-    raise ValueError(f"no kernel serves {dtype} with head_dim {head_dim} (served: {served})")
+    served = "; ".join(f"{c} core: head_dim {', '.join(map(str, core_head_dims(c, dtype)))}"
+                       if core_head_dims(c, dtype) else f"{c} core: none" for c in CORE_PREFERENCE)
+    raise ValueError(f"no kernel serves {dtype} with head_dim {head_dim} (for {dtype}: {served})")
 
 
-def dynamic_smem(core: str) -> int:
+class MmaTraits(NamedTuple):
+    """What a tensor-core instance of one (KV format, head_dim) needs: the
+    one place a new head dim's shared memory and occupancy are stated."""
+
+    smem_kb: int        # dynamic shared memory per CTA (page-id window + a K/V ring of >= 2 stages)
+    resident_ctas: int  # CTAs per SM its registers and shared memory allow (what the planner counts)
+
+
+PAGE_WINDOW_BYTES = 256 * 4  # cuda_src/attend.cuh PAGE_WINDOW page ids
+SM_SMEM_KB = 228  # shared memory per SM (sm_90), 1 KB of it reserved per CTA
+
+
+def mma_traits(variant_name: str, head_dim: int) -> MmaTraits:
+    """The :class:`MmaTraits` of a tensor-core instance. Shared memory:
+    ``MMA_SMEM_KB`` (72: 2-3 ring stages up to head_dim 128), or what two
+    stages of the row layout take when that is more (16-bit head_dim 192:
+    97 KB; rows as MmaLayout in attend_mma.cuh: whole 128-byte lines, else
+    padded by 16 bytes). Resident CTAs: ``MMA_MIN_BLOCKS`` (the
+    ``__launch_bounds__`` minimum), 3 for fp8 up to head_dim 128
+    (``MMA_FP8_RESIDENT_CTAS``), then what the shared memory allows.
+
+    >>> mma_traits("float16", 128), mma_traits("float16", 192), mma_traits("float16+float8_e4m3fn", 128)
+    (MmaTraits(smem_kb=72, resident_ctas=2), MmaTraits(smem_kb=97, resident_ctas=2), MmaTraits(smem_kb=72, resident_ctas=3))
+    """
+    fp8 = is_fp8(variant_name)
+    data = head_dim * (1 if fp8 else 2)
+    row = data if data % 128 == 0 else data + 16
+    ring = 2 * MMA_WARPS * 2 * 16 * row  # 2 stages x warps x (K, V) x 16 tokens
+    smem_kb = max(MMA_SMEM_KB, -(-(ring + PAGE_WINDOW_BYTES) // 1024))
+    ctas = MMA_FP8_RESIDENT_CTAS if fp8 and head_dim <= 128 else MMA_MIN_BLOCKS
+    return MmaTraits(smem_kb, min(ctas, SM_SMEM_KB // (smem_kb + 1)))
+
+
+def dynamic_smem(core: str, variant_name: str, head_dim: int) -> int:
     """Bytes of dynamic shared memory a partial-kernel CTA of ``core`` takes."""
-    return MMA_SMEM_KB * 1024 if core == "mma" else 0
+    return mma_traits(variant_name, head_dim).smem_kb * 1024 if core == "mma" else 0
 
 
-def nvrtc_defines() -> tuple[str, ...]:
-    """Preprocessor options that must match the launch parameters above."""
-    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB}", f"-DCUPAGED_MMA_WARPS={MMA_WARPS}",
+def nvrtc_defines(smem_kb: int | None = None) -> tuple[str, ...]:
+    """Preprocessor options that must match the launch parameters above
+    (``smem_kb``: a module's MMA shared memory, default ``MMA_SMEM_KB``)."""
+    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB if smem_kb is None else smem_kb}", f"-DCUPAGED_MMA_WARPS={MMA_WARPS}",
             f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}", *(("-DCUPAGED_PDL=1",) if PDL else ()))
+
+
+def module_smem_kb(family: str, dtype: str, head_dim: int) -> int:
+    """The MMA shared memory a module is compiled for: its tensor-core
+    instances' :func:`mma_traits` (``MMA_SMEM_KB`` for a module without)."""
+    if family in PARTIAL_FAMILIES and serves("mma", dtype, head_dim):
+        return mma_traits(dtype, head_dim).smem_kb
+    return MMA_SMEM_KB
 
 
 def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str,
@@ -267,4 +328,4 @@ def all_modules() -> list[tuple[str, str, int]]:
             + [("append", d, APPEND_ANY_HEAD_DIM) for d in APPEND_DTYPES])
     mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if is_fp8(d)})
     return mods + [(f, d, h) for f in PARTIAL_FAMILIES for d in mixed for h in HEAD_DIMS
-                   if any(d in dtypes and h in dims for _, _, dtypes, dims in CORES.values())]
+                   if any(serves(c, d, h) for c in CORES)]

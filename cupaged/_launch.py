@@ -207,7 +207,7 @@ class PartialLaunch:
         self.family = family
         self.kernel = _loader.get_kernel(family, variant, head_dim, index)
         self.function = self.kernel.kernel.ptr  # CUfunction on this device (compiles on first use)
-        self.smem = _configs.dynamic_smem(self.core)
+        self.smem = _configs.dynamic_smem(self.core, variant, head_dim)
         if self.smem:  # opt-in: static + dynamic may exceed the default 48 KB
             driver.funcSetAttribute(self.function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
         self.block = threads

@@ -38,7 +38,16 @@ def _src_places() -> tuple[Path, Path]:
 
 
 SRC_DIR = find_src_dir()
-OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())
+OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())  # (a module of the default traits)
+
+
+def module_options(family: str, dtype: str, head_dim: int) -> tuple[str, ...]:
+    """NVRTC options of one module: ``OPTIONS`` with its MMA shared memory
+    (:func:`cupaged._configs.module_smem_kb`, what its launches pass)."""
+    smem_kb = _configs.module_smem_kb(family, dtype, head_dim)
+    if smem_kb == _configs.MMA_SMEM_KB:
+        return OPTIONS
+    return ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines(smem_kb))
 
 
 @functools.lru_cache(maxsize=None)
@@ -67,7 +76,7 @@ def _module(family: str, dtype: str, head_dim: int):
 
     return cupy.RawModule(
         code=module_source(family),
-        options=OPTIONS,
+        options=module_options(family, dtype, head_dim),
         name_expressions=_configs.name_expressions(family, dtype, head_dim),
     )
 
@@ -105,7 +114,7 @@ def compile_for_arch(family: str, dtype: str, head_dim: int, arch: str = "sm_90"
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*OPTIONS, f"-arch={arch}", "-Xptxas=-v"])
+            nvrtc.compileProgram(prog, [*module_options(family, dtype, head_dim), f"-arch={arch}", "-Xptxas=-v"])
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"{family}/{dtype}/{head_dim}: {exc}\n{nvrtc.getProgramLog(prog)}") from exc
         log = nvrtc.getProgramLog(prog)

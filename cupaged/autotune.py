@@ -274,7 +274,7 @@ def tune(q, k_cache, v_cache, table: PageTable, *, store: bool = True, kv_layout
     ``decode(q, k_cache, v_cache, table, plan, method="v2", out=out)``. Env
     ``CUPAGED_CORE``, if set, pins the core being timed.
 
-    Only meaningful for shapes the kernels serve (head_dim 64, 96, 128 or 256,
+    Only meaningful for shapes the kernels serve (head_dim 64, 80, 96, 128, 192 or 256,
     head_dim contiguous, 16-byte aligned): for any other shape ``decode``
     silently runs the gather path, which ignores the chunk size, so every
     timing would be gather's. Check with :func:`cupaged.select_method` first.

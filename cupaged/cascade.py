@@ -330,7 +330,7 @@ def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr:
             batch) share prefix ``j``; starts at 0, strictly increasing (no
             empty group), ends at ``B``. A group of one is allowed.
         num_qo_heads, num_kv_heads: ``Hq`` and ``Hkv`` (``Hq % Hkv == 0``).
-        head_dim: ``D``; the merge kernel serves 64, 96, 128 and 256.
+        head_dim: ``D``; the merge kernel serves 64, 80, 96, 128, 192 and 256.
         dtype: q/out dtype (float16, bfloat16 or float32).
         kv_dtype: keyword-only cache dtype, default ``dtype``; forwarded to
             :func:`~cupaged.plan_decode`.

@@ -65,9 +65,9 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         method: ``"auto"`` (env ``CUPAGED_DECODE`` overrides; else v2),
             ``"v2"`` (split-KV, merge fused), ``"v1"`` (one CTA per request
             and query head) or ``"gather"`` (CuPy + cuBLAS). The kernels
-            decline a head_dim other than 64/96/128/256, a non-contiguous
+            decline a head_dim other than 64/80/96/128/192/256, a non-contiguous
             head_dim, or a pointer or stride not a multiple of 16 bytes; fp8
-            runs on v2 at head_dim 64/96/128; v1 takes neither fp8 nor
+            runs on v2 at head_dim 64/96/128/192; v1 takes neither fp8 nor
             per-head scales. Such calls run the gather path and log a
             WARNING on ``logging.getLogger("cupaged")`` once per method and
             reason (:func:`select_method` says which path and why). Env

@@ -57,7 +57,7 @@ def merge_states(v: DeviceArray, lse: DeviceArray, o_indptr: IndexArray, *, out_
         CuPy ``o_indptr``), DeviceMismatchError [ValueError] (``lse`` or a
         CuPy ``o_indptr`` on another device than ``v``; ``v`` not on the
         current device),
-        UnsupportedConfigError [ValueError] (head_dim other than 64/96/128/256),
+        UnsupportedConfigError [ValueError] (head_dim other than 64/80/96/128/192/256),
         InvalidArgumentError [ValueError] (with ``validate``: an
         ``o_indptr`` that does not start at 0, decreases or ends beyond N),
         NoGPUError [RuntimeError] (no CUDA device; checked first).

@@ -275,9 +275,9 @@ _SM_CACHE: dict[int, int] = {}
 def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) -> int:
     """Resident CTAs per SM of the partial kernel instance that serves these
     shapes (its ``__launch_bounds__`` minimum, which the register and shared
-    memory budgets are sized for): 2 for the tensor-core core (3 for its fp8
-    instances, which the driver reports: ``_configs.MMA_FP8_RESIDENT_CTAS``),
-    3 or 1 for the CUDA-core core (``MinBlocks`` in attend.cuh); 2 where no
+    memory budgets are sized for): the tensor-core core's
+    :func:`cupaged._configs.mma_traits` (2; 3 for its fp8 instances up to
+    head_dim 128, which the driver reports), 3 or 1 for the CUDA-core core (``MinBlocks`` in attend.cuh); 2 where no
     kernel serves the shapes (the gather path ignores the plan).
 
     >>> ctas_per_sm(np.dtype(np.float16), np.dtype(np.float16), 128, 4)
@@ -310,7 +310,7 @@ def _resident_ctas(variant: str, head_dim: int, heads: int, requested: str | Non
     except ValueError:
         return CTAS_PER_SM
     if core == "mma":
-        return _configs.MMA_FP8_RESIDENT_CTAS if _configs.is_fp8(variant) else _configs.MMA_MIN_BLOCKS
+        return _configs.mma_traits(variant, head_dim).resident_ctas
     return 3 if heads <= 4 else 1
 
 

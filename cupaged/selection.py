@@ -83,12 +83,12 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
 
     Returns:
         A :class:`Selection`. The kernels decline a head_dim other than 64,
-        96, 128 or 256, a non-contiguous head_dim, and a base pointer or
+        80, 96, 128, 192 or 256, a non-contiguous head_dim, and a base pointer or
         stride that is not a multiple of 16 bytes; fp8 KV runs on v2 at
-        head_dim 64, 96 and 128 only; v1 takes no fp8, no per-head
+        head_dim 64, 96, 128 and 192 only; v1 takes no fp8, no per-head
         scales and no sinks. For those the result is ``"gather"`` with the reason, e.g.
-        ``"fallback from v2: head_dim 80 has no kernel instance (supported:
-        (64, 96, 128, 256))"``.
+        ``"fallback from v2: head_dim 40 has no kernel instance (supported:
+        (64, 80, 96, 128, 192, 256))"``.
 
     Raises:
         ArgumentTypeError [TypeError] (an input that is not a CuPy/CUDA
@@ -101,11 +101,11 @@ def select_method(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None
     Example (needs a GPU)::
 
         table = cupaged.PageTable.from_seq_lens([100], page_size=16)
-        k = cupy.zeros((7, 16, 2, 80), dtype=cupy.float16)  # head_dim 80: no kernel
-        q = cupy.zeros((1, 8, 80), dtype=cupy.float16)
+        k = cupy.zeros((7, 16, 2, 40), dtype=cupy.float16)  # head_dim 40: no kernel
+        q = cupy.zeros((1, 8, 40), dtype=cupy.float16)
         sel = cupaged.select_method(q, k, k, table, method="v2")
         sel.method   # "gather"
-        sel.reason   # "fallback from v2: head_dim 80 has no kernel instance (supported: (64, 96, 128, 256))"
+        sel.reason   # "fallback from v2: head_dim 40 has no kernel instance (supported: (64, 80, 96, 128, 192, 256))"
     """
     q, k_cache, v_cache = as_cupy(q, "q"), as_cupy(k_cache, "k_cache"), as_cupy(v_cache, "v_cache")
     k_cache, v_cache = nhd_views(k_cache, v_cache, kv_layout)

@@ -3,7 +3,7 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec windows pdl suite_ab precompile
+#        ncu_sectors variants spec windows pdl suite_ab precompile headdims
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
@@ -72,6 +72,9 @@ steps:
               env AB_KV (fp16 or fp8), cells env AB_CELLS
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
+  headdims    head_dim 80 and 192 (issue 19): their GPU tests, memcheck, the driver's occupancy
+              against the planner's, and v2 (with gather, and FlashInfer where installed) at 80/128/192
+              and fp8 at 192
   ab          default plans of .ab/old (another tree's cupaged/ and cuda_src/)
               and of this tree on uniform cells, two interleaved rounds
 EOF
@@ -176,6 +179,14 @@ for s in $steps; do case $s in
     done; done
     sort -k3,3 -k4,4 -k1,1 "$work/variants.log" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
+  headdims)  # issue 19's head dims 80 and 192: GPU tests, memcheck, the driver's occupancy and a v2 benchmark
+    run headdim_tests 200 "python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_features_gpu.py tests/test_multi_token.py -k '80 or 192'"
+    run memcheck_headdims 200 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_multi_token.py -k '80 or 192'"
+    run occupancy_headdims 100 "python3 scripts/occupancy.py --head-dims 80 128 192 --csv $work/occupancy_headdims.csv"
+    for d in 80 128 192; do
+      run "headdim_bench_$d" 100 "$peer python3 scripts/microbench.py --batch 8 32 --ctx 4096 16384 --head-dim $d --methods v2 gather flashinfer --reps 2 --out-dir $work/hd$d"
+    done
+    run headdim_bench_fp8 100 "$peer python3 scripts/microbench.py --batch 8 32 --ctx 16384 --head-dim 192 --kv-dtype fp8 --reps 2 --out-dir $work/hd192fp8" ;;
   ab) cells="1x1024 1x4096 1x131072 4x4096 4x16384 4x131072 8x1024 8x32768 32x1024 32x32768 128x1024 128x32768 4x4096x16x32x32x128 8x8192x16x64x8x128 8x8192x16x32x8x64 32x16384x32x32x8x128xbfloat16"
       for r in $(seq "${AB_ROUNDS:-2}"); do
         run ab_old$r 150 "PYTHONPATH=$PWD/.ab/old python3 .ab/old/scripts/ab_trees.py --label old --cells $cells --csv $work/ab_old$r.csv"

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
             for heads in _configs.HEADS_PER_CTA:
                 index, threads = _configs.partial_instance(variant, head_dim, heads, core)
                 fn = _loader.get_kernel("partial", variant, head_dim, index).kernel.ptr
-                smem = _configs.dynamic_smem(core)
+                smem = _configs.dynamic_smem(core, variant, head_dim)
                 if smem:
                     driver.funcSetAttribute(fn, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
                 regs = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_NUM_REGS, fn)

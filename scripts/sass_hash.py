@@ -68,7 +68,7 @@ def compile_cubin(family: str, dtype: str, head_dim: int) -> tuple[bytes, dict[s
     try:
         for n in names:
             nvrtc.addNameExpression(prog, n)
-        nvrtc.compileProgram(prog, [*_loader.OPTIONS, "-arch=sm_90"])
+        nvrtc.compileProgram(prog, [*_loader.module_options(family, dtype, head_dim), "-arch=sm_90"])
         lowered = {nvrtc.getLoweredName(prog, n): n for n in names}
         return nvrtc.getCUBIN(prog), lowered
     finally:

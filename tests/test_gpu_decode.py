@@ -157,6 +157,29 @@ def test_head_dims(head_dim, dtype):
         check(out, lse, *reference.decode(*host, table), dtype)
 
 
+@pytest.mark.parametrize("head_dim", [80, 192])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_dims_80_and_192_on_every_core(head_dim, dtype, monkeypatch):
+    """Issue 19's added head dims (Phi-2's 80, MLA-style 192) on each core that
+    serves them (tensor cores: 16-bit at 80; CUDA cores: every dtype), split
+    and unsplit, mid-page starts, an empty and a long request, against
+    float64; dispatch picks the tensor cores where they serve."""
+    from cupaged import _configs
+
+    variant = _configs.dtype_name(dtype)
+    want_core = "mma" if head_dim == 80 and dtype != np.float32 else "simt"
+    assert _configs.choose_core(variant, head_dim) == want_core
+    dev, table, host = batch(32, [*RAGGED_LENS, 0, 4099], head_dim=head_dim, dtype=dtype)
+    ref_out, ref_lse = reference.decode(*host, table)
+    assert cupaged.select_method(*dev, table).method == "v2"
+    for core in [c for c in _configs.CORES if _configs.serves(c, variant, head_dim)]:
+        monkeypatch.setenv("CUPAGED_CORE", core)
+        for c in (1, 5, None):
+            plan = cupaged.plan_decode(table, 32, 8, head_dim, dtype, pages_per_chunk=c)
+            out, lse = run("v2", *dev, table, plan)
+            check(out, lse, ref_out, ref_lse, dtype)
+
+
 @pytest.mark.parametrize("page_size", [1, 7, 64, 256])
 def test_page_sizes(page_size):
     dev, table, host = batch(9, [1, page_size + 1, 3 * page_size - 1, 1000], page_size=page_size)
@@ -193,9 +216,9 @@ def test_strided_cache_slice_of_larger_buffer():
 
 
 def test_declined_shape_falls_back_with_reason():
-    dev, table, host = batch(12, [40, 90], head_dim=80)
+    dev, table, host = batch(12, [40, 90], head_dim=40)
     sel = cupaged.select_method(*dev, table, method="v2")
-    assert sel.method == "gather" and "head_dim 80" in sel.reason
+    assert sel.method == "gather" and "head_dim 40" in sel.reason
     out, lse = run("v2", *dev, table)
     check(out, lse, *reference.decode(*host, table), np.float16)
 

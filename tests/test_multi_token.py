@@ -232,6 +232,8 @@ def test_multi_token_matches_reference(dtype, kv):
     (28, 4, 96, BF16, "same"),    # 7 heads per CTA: 2 tokens, rows 14 and 15 padding
     (32, 8, 128, F16, "fp8"),     # fp8: 8 columns, 2 tokens
     (16, 8, 64, BF16, "fp8"),     # fp8, 2 heads per CTA: 4 tokens
+    (32, 8, 80, F16, "same"),     # head_dim 80: an odd k-step count (ldmatrix.x2 for the last)
+    (32, 8, 192, BF16, "fp8"),    # fp8 head_dim 192 on the tensor cores
 ], ids=str)
 def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
     """Plans with row groups (a request's tokens as extra MMA rows, each with

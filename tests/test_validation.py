@@ -237,8 +237,8 @@ def test_kernels_decline_strided_or_misaligned_cpu(ptr, strides, reason):
 
 
 def test_head_dim_without_kernel_falls_back_cpu():
-    sel = select(*fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80)), TABLE, "auto")
-    assert sel.method == "gather" and "head_dim 80 has no kernel instance" in sel.reason
+    sel = select(*fakes(q_shape=(3, 8, 40), k_shape=(16, 16, 2, 40)), TABLE, "auto")
+    assert sel.method == "gather" and "head_dim 40 has no kernel instance" in sel.reason
 
 
 def test_plan_checks_cpu():
@@ -302,7 +302,7 @@ def test_bad_method_is_reported_before_the_gpu_check(monkeypatch):
 
 
 def test_fallback_is_logged_once_per_configuration_cpu(caplog, monkeypatch):
-    """Issue 16: a call the kernels decline (head_dim 80, a misaligned
+    """Issue 16: a call the kernels decline (head_dim 40, a misaligned
     pointer, v1 with per-head scales) logs a WARNING on the "cupaged" logger,
     once per (method, reason); a requested gather path logs nothing."""
     import logging
@@ -313,7 +313,7 @@ def test_fallback_is_logged_once_per_configuration_cpu(caplog, monkeypatch):
     monkeypatch.setattr(sys.modules["cupaged.selection"], "as_cupy", lambda x, name: x)
     monkeypatch.delenv("CUPAGED_DECODE", raising=False)
     _log.reset()
-    d80 = fakes(q_shape=(3, 8, 80), k_shape=(16, 16, 2, 80))
+    d80 = fakes(q_shape=(3, 8, 40), k_shape=(16, 16, 2, 40))
     with caplog.at_level(logging.INFO, logger="cupaged"):
         for _ in range(3):
             assert cupaged.select_method(*d80, TABLE, method="v2").method == "gather"
@@ -328,7 +328,7 @@ def test_fallback_is_logged_once_per_configuration_cpu(caplog, monkeypatch):
     records = [r for r in caplog.records if r.name == "cupaged"]
     assert [r.levelno for r in records] == [logging.WARNING] * 5, [r.getMessage() for r in records]
     text = [r.getMessage() for r in records]
-    assert "method='v2'" in text[0] and "head_dim 80 has no kernel instance" in text[0] and "gather" in text[0]
+    assert "method='v2'" in text[0] and "head_dim 40 has no kernel instance" in text[0] and "gather" in text[0]
     assert "method='auto'" in text[1]
     assert "q is not 16-byte aligned" in text[2]
     assert "v1 takes per-tensor k_scale/v_scale only" in text[3]
@@ -358,8 +358,8 @@ MERGE_ROWS = {
                            merge_args(lse=FakeArray((4, 8), np.float32, strides=(64, 8)))),
     "lse_on_another_device": (DeviceMismatchError, "lse must be on v's device 0, got device 1",
                               merge_args(lse=FakeArray((4, 8), np.float32, device=1))),
-    "head_dim_without_kernel": (UnsupportedConfigError, "v's head_dim: unsupported head_dim 80",
-                                merge_args(v=FakeArray((4, 8, 80), np.float32))),
+    "head_dim_without_kernel": (UnsupportedConfigError, "v's head_dim: unsupported head_dim 40",
+                                merge_args(v=FakeArray((4, 8, 40), np.float32))),
     "out_dtype": (DTypeError, "out_dtype must be one of float16, bfloat16, float32", merge_args(out_dtype=np.float64)),
     "o_indptr_list": (DTypeError, "o_indptr must be a 1-D int32 NumPy or CuPy array, got list",
                       merge_args(o_indptr=[0, 4])),
@@ -781,8 +781,8 @@ MERGE_GPU_ROWS = {
     "lse_dtype": (DTypeError, "lse must be float32", lambda cp, v, lse: (v, lse.astype(cp.float64), IND)),
     "lse_not_contiguous": (LayoutError, "lse must be C-contiguous",
                            lambda cp, v, lse: (v, cp.repeat(lse, 2, axis=1)[:, ::2], IND)),
-    "head_dim_without_kernel": (UnsupportedConfigError, "unsupported head_dim 80",
-                                lambda cp, v, lse: (cp.ascontiguousarray(v[:, :, :80]), lse, IND)),
+    "head_dim_without_kernel": (UnsupportedConfigError, "unsupported head_dim 40",
+                                lambda cp, v, lse: (cp.ascontiguousarray(v[:, :, :40]), lse, IND)),
     "o_indptr_int64": (DTypeError, "o_indptr must be int32", lambda cp, v, lse: (v, lse, IND.astype(np.int64))),
     "o_indptr_int64_device": (DTypeError, "o_indptr must be int32",
                               lambda cp, v, lse: (v, lse, cp.asarray(IND, dtype=cp.int64))),
