@@ -295,9 +295,9 @@ def ctas_per_sm(dtype: np.dtype, kv_dtype: np.dtype, head_dim: int, heads: int) 
 
 @functools.lru_cache(maxsize=64)
 def _variant_of(dtype: np.dtype, kv_dtype: np.dtype) -> str:
-    """The kernel variant of a (q, KV) dtype pair, cached: ``dtype.name`` costs
-    ~1.5 µs, and every default plan asks."""
-    return _configs.variant(_configs.dtype_name(dtype), kv_dtype.name)
+    """The kernel variant of a (q, KV) dtype pair (uint8 KV: fp8 bits),
+    cached: ``dtype.name`` costs ~1.5 µs, and every default plan asks."""
+    return _configs.variant(_configs.dtype_name(dtype), canonical_kv_dtype(kv_dtype).name)
 
 
 @functools.lru_cache(maxsize=64)

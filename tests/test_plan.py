@@ -777,7 +777,11 @@ def test_fp8_plans_count_three_ctas_per_sm_and_their_own_constants():
     from cupaged import plan as plan_mod, schedule
 
     assert plan_mod.ctas_per_sm(np.dtype(np.float16), plan_mod.FLOAT8_E4M3, 128, 4) == 3
+    assert plan_mod.ctas_per_sm(np.dtype(np.float16), np.dtype(np.uint8), 128, 4) == 3  # fp8 bits
     assert plan_mod.ctas_per_sm(np.dtype(np.float16), np.dtype(np.float16), 128, 4) == 2
+    # head_dim 192's fp8 instances take ~200 registers: 2 per SM (mma_traits); 16-bit 80: 2
+    assert plan_mod.ctas_per_sm(np.dtype(np.float16), plan_mod.FLOAT8_E4M3, 192, 4) == 2
+    assert plan_mod.ctas_per_sm(np.dtype(np.float16), np.dtype(np.float16), 80, 4) == 2
     table = cupaged.PageTable.from_seq_lens([131072] + [512] * 63, 16)
     fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, kv_dtype="float8_e4m3fn", num_sms=132)
     fp16 = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
