@@ -412,14 +412,7 @@ def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr:
         offset += m * hkv * gp
 
     request_group = np.repeat(np.arange(num_groups), sizes)
-    has_prefix = nonempty[request_group]
-    per_request = 1 + has_prefix.astype(np.int64)
-    o_indptr = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum(per_request, out=o_indptr[1:])
-    suffix_row = offset + np.arange(batch * hq, dtype=np.int64).reshape(batch, hq)
-    states = np.empty((int(o_indptr[-1]), hq), dtype=np.int64)
-    states[o_indptr[1:] - 1] = suffix_row  # the last state of a request is its suffix
-    states[o_indptr[:-1][has_prefix]] = prefix_row[has_prefix]
+    o_indptr, states = _merge_states(nonempty[request_group], prefix_row, offset, hq)
     kv = getattr(suffix_plan, "kv_dtype", suffix_plan.dtype)
     return CascadePlan(
         batch_size=batch, num_groups=num_groups, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
@@ -429,6 +422,20 @@ def plan_cascade(shared_table: PageTable, unique_table: PageTable, group_indptr:
         q_index=np.concatenate(q_index) if q_index else np.zeros(0, np.int64),
         num_states=int(o_indptr[-1]), state_index=states.reshape(-1), o_indptr=o_indptr,
     )
+
+
+def _merge_states(has_prefix: np.ndarray, prefix_row: np.ndarray, suffix_offset: int,
+                  hq: int) -> tuple[np.ndarray, np.ndarray]:
+    """The merge's ``(o_indptr, states [M, Hq])``: request ``b``'s states are
+    its prefix row (where it has a prefix, from ``prefix_row [B, Hq]``) then
+    its suffix row (``suffix_offset`` on, one row per request and head)."""
+    batch = has_prefix.shape[0]
+    o_indptr = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(1 + has_prefix.astype(np.int64), out=o_indptr[1:])
+    states = np.empty((int(o_indptr[-1]), hq), dtype=np.int64)
+    states[o_indptr[1:] - 1] = suffix_offset + np.arange(batch * hq, dtype=np.int64).reshape(batch, hq)
+    states[o_indptr[:-1][has_prefix]] = prefix_row[has_prefix]  # the last state of a request is its suffix
+    return o_indptr, states
 
 
 # ------------------------------------------------------------------------- launch state

@@ -765,7 +765,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     target, chunk_pages, req_chunks, units = _grouped_chunking(
         pages, group_last, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk,
         max_pages_per_chunk, target_ctas, num_sms)
-    n = int(np.add.reduce(req_chunks))  # (an int32 sum comes back as int64: no overflow)
+    # chunks: the units unless row groups share them (an int32 sum comes back as int64: no overflow)
+    n = units if group_last is None else int(np.add.reduce(req_chunks))
     if units * grid_y > MAX_GRID_X:
         raise InvalidArgumentError(
             f"{units} chunks x {grid_y} CTAs each exceed the CUDA grid limit {MAX_GRID_X} "
