@@ -219,44 +219,29 @@ __device__ __forceinline__ void cta_attend(
   for_each_page_window<NUM_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
                                     [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + TILE - 1) / TILE;
-
-    // Copies tile `it` into its ring stage (zero-filled past s1); always
-    // commits a group so the wait count below stays uniform.
-    auto issue = [&](int it) {
-      if (it < n_iter) {
-        const int stage = it % STAGES;
+    // Copies tile `it` into its ring stage (zero-filled past s1).
+    auto copy = [&](int stage, int it) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          const int pos = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset;
-          const bool valid = active && pos < s1;
-          const T* kp = k_cache;
-          const T* vp = v_cache;
-          if (valid) {
-            const int p = pos / page_size;
-            const int slot = pos - p * page_size;
-            const long long page = sm.page_ids[p - win];
-            kp = k_cache + page * ks.page + slot * ks.token + k_head;
-            vp = v_cache + page * vs.page + slot * vs.token + v_head;
-          }
+      for (int u = 0; u < UNROLL; ++u) {
+        const int pos = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset;
+        const bool valid = active && pos < s1;
+        const T* kp = k_cache;
+        const T* vp = v_cache;
+        if (valid) {
+          const int p = pos / page_size;
+          const int slot = pos - p * page_size;
+          const long long page = sm.page_ids[p - win];
+          kp = k_cache + page * ks.page + slot * ks.token + k_head;
+          vp = v_cache + page * vs.page + slot * vs.token + v_head;
+        }
 #pragma unroll
-          for (int v = 0; v < VPT; ++v) {
-            cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * ACTIVE * VEC, valid);
-            cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * ACTIVE * VEC, valid);
-          }
+        for (int v = 0; v < VPT; ++v) {
+          cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * ACTIVE * VEC, valid);
+          cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * ACTIVE * VEC, valid);
         }
       }
-      cp_async_commit();
     };
-
-#pragma unroll
-    for (int it = 0; it < STAGES - 1; ++it) issue(it);
-
-    for (int it = 0; it < n_iter; ++it) {
-      // Refills the stage read one iteration ago (by this same lane).
-      issue(it + STAGES - 1);
-      cp_async_wait<STAGES - 1>();
-      const int stage = it % STAGES;
-
+    auto consume = [&](int stage, int it) {
       float s[UNROLL][HEADS];
       bool valid[UNROLL];
 #pragma unroll
@@ -317,8 +302,8 @@ __device__ __forceinline__ void cta_attend(
 #pragma unroll
           for (int e = 0; e < EPT; ++e) acc[h][e] = fmaf(p[u][h], vf[e], acc[h][e]);
       }
-    }
-    cp_async_wait<0>();  // only empty groups remain; keeps the ring idle at window end
+    };
+    cp_async_ring<STAGES, false>(n_iter, copy, consume);
   });
 
   // Combine the lane groups of this warp (same dims, different tokens).

@@ -233,82 +233,69 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
     // pass a fixed step from it, instead of a (page, slot) walk per pass.
     const bool page_tiles = 32 % CPR == 0 && page_size % MMA_TILE == 0 && s0 % MMA_TILE == 0;
 
-    auto issue = [&](int it) {
-      if (it < n_iter) {
-        const int stage = it % STAGES;
-        const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
-        if (page_tiles) {
-          constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
-          const int col = (lane % CPR) * ELEMS_PER_CHUNK;
+    auto copy = [&](int stage, int it) {
+      const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
+      if (page_tiles) {
+        constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
+        const int col = (lane % CPR) * ELEMS_PER_CHUNK;
+        const KV* kp = k_cache;
+        const KV* vp = v_cache;
+        if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)
+          const int p = base / page_size;
+          const long long page = sm.page_ids[p - win];
+          const int slot = base - p * page_size + lane / CPR;
+          kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
+          vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
+        }
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+          const int r = lane / CPR + pass * ROWS_PER_PASS;
+          const bool valid = base + r < s1;
+          const int at = L::at(r, col * (int)sizeof(KV));
+          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at],
+                                            valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
+          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at],
+                                            valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
+        }
+      } else {
+        // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).
+        // One division per tile; later rows advance the (page, slot) pair
+        // (at most one page step unless page_size is tiny).
+        int row = lane / CPR;
+        int p = (base + row) / page_size;
+        int slot = base + row - p * page_size;
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+          const int c = lane + 32 * pass;
+          // (32 % CPR == 0: every lane's rows advance 32 / CPR per pass)
+          const int r = 32 % CPR == 0 ? lane / CPR + pass * (32 / CPR) : c / CPR;
+          const int col = (32 % CPR == 0 ? lane % CPR : c % CPR) * ELEMS_PER_CHUNK;
+          if (pass > 0) {
+            slot += 32 % CPR == 0 ? 32 / CPR : r - row;
+            row = r;
+            while (slot >= page_size) {
+              slot -= page_size;
+              ++p;
+            }
+          }
+          const bool valid = base + r < s1;
           const KV* kp = k_cache;
           const KV* vp = v_cache;
-          if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)
-            const int p = base / page_size;
+          if (valid) {
             const long long page = sm.page_ids[p - win];
-            const int slot = base - p * page_size + lane / CPR;
             kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
             vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
           }
-#pragma unroll
-          for (int pass = 0; pass < PASSES; ++pass) {
-            const int r = lane / CPR + pass * ROWS_PER_PASS;
-            const bool valid = base + r < s1;
-            const int at = L::at(r, col * (int)sizeof(KV));
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at],
-                                              valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at],
-                                              valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
-          }
-        } else {
-          // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).
-          // One division per tile; later rows advance the (page, slot) pair
-          // (at most one page step unless page_size is tiny).
-          int row = lane / CPR;
-          int p = (base + row) / page_size;
-          int slot = base + row - p * page_size;
-#pragma unroll
-          for (int pass = 0; pass < PASSES; ++pass) {
-            const int c = lane + 32 * pass;
-            // (32 % CPR == 0: every lane's rows advance 32 / CPR per pass)
-            const int r = 32 % CPR == 0 ? lane / CPR + pass * (32 / CPR) : c / CPR;
-            const int col = (32 % CPR == 0 ? lane % CPR : c % CPR) * ELEMS_PER_CHUNK;
-            if (pass > 0) {
-              slot += 32 % CPR == 0 ? 32 / CPR : r - row;
-              row = r;
-              while (slot >= page_size) {
-                slot -= page_size;
-                ++p;
-              }
-            }
-            const bool valid = base + r < s1;
-            const KV* kp = k_cache;
-            const KV* vp = v_cache;
-            if (valid) {
-              const long long page = sm.page_ids[p - win];
-              kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
-              vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
-            }
-            const int at = L::at(r, col * (int)sizeof(KV));
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at], kp, valid, policy);
-            cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at], vp, valid, policy);
-          }
+          const int at = L::at(r, col * (int)sizeof(KV));
+          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at], kp, valid, policy);
+          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at], vp, valid, policy);
         }
       }
-      cp_async_commit();
     };
-
-#pragma unroll
-    for (int it = 0; it < STAGES - 1; ++it) issue(it);
-
-    for (int it = 0; it < n_iter; ++it) {
-      issue(it + STAGES - 1);  // refills the stage every lane finished reading last iteration
-      cp_async_wait<STAGES - 1>();
-      __syncwarp();  // other lanes' copies of this stage are visible
-      const int stage = it % STAGES;
+    auto consume = [&](int stage, int it) {
       tile.step(sm.kv[stage][warp][0], sm.kv[stage][warp][1], s0 + it * CTA_TILE + warp * MMA_TILE, s1);
-      __syncwarp();  // every lane is done with this stage before it is refilled
-    }
-    cp_async_wait<0>();
+    };
+    cp_async_ring<STAGES, true>(n_iter, copy, consume);  // (lanes read each other's copies)
   });
 }
 

@@ -140,6 +140,29 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// The cp.async ring both attention cores run over a page window's n_iter
+// tiles: copy(stage, it) issues tile it's copies into its stage (STAGES - 1
+// tiles ahead; every step commits a group, empty past the end, so the wait
+// count stays uniform), consume(stage, it) reads it once landed. WARP_SYNC:
+// the tile's lanes read each other's copies (a __syncwarp on each side).
+template <int STAGES, bool WARP_SYNC, typename Copy, typename Consume>
+__device__ __forceinline__ void cp_async_ring(int n_iter, Copy& copy, Consume& consume) {
+  auto issue = [&](int it) {
+    if (it < n_iter) copy(it % STAGES, it);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int it = 0; it < STAGES - 1; ++it) issue(it);
+  for (int it = 0; it < n_iter; ++it) {
+    issue(it + STAGES - 1);  // refills the stage read one iteration ago
+    cp_async_wait<STAGES - 1>();
+    if (WARP_SYNC) __syncwarp();  // other lanes' copies of this stage are visible
+    consume(it % STAGES, it);
+    if (WARP_SYNC) __syncwarp();  // every lane is done with this stage before it is refilled
+  }
+  cp_async_wait<0>();  // only empty groups remain; keeps the ring idle at window end
+}
+
 // Programmatic dependent launch (sm_90; compiled in with CUPAGED_PDL, which
 // is defined unless env CUPAGED_PDL=0, and whose launches allow the overlap): once every
 // CTA of this kernel has called pdl_trigger, the next kernel in the stream
