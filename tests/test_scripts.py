@@ -1453,3 +1453,17 @@ def test_serving_loop_example_refuses_a_draft_beyond_16_tokens():
     with pytest.raises(SystemExit) as e:
         mod.parse_args(["--draft", "16"])
     assert e.value.code == 2
+
+
+def test_plan_hash_sees_a_changed_plan(monkeypatch):
+    """scripts/plan_hash.py's hash is repeatable and moves when a plan does
+    (here: the step model's fp16 constants changed), so equal hashes mean
+    equal plans."""
+    import plan_hash
+
+    from cupaged import schedule
+
+    base = plan_hash.plans_hash(tables=6)
+    assert base == plan_hash.plans_hash(tables=6) and base[0] == 6 * 20
+    monkeypatch.setattr(schedule, "H200_COSTS", schedule.StepCosts(4700.0, 18.0, 30.0, 9.0, 0.35))
+    assert plan_hash.plans_hash(tables=6) != base
