@@ -99,11 +99,6 @@ PDL: bool = _env.pdl()
 # A core's dtypes are module variants (see variant()): "float16+float8_e4m3fn"
 # is fp16 q over an fp8 cache, served by the tensor cores only (the CUDA-core
 # mapping would need twice the registers per lane for 16 fp8 elements).
-CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
-    "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
-    "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS,
-             ("float16", "bfloat16", f"float16+{FP8}", f"bfloat16+{FP8}"), (64, 80, 96, 128, 192)),
-}
 # The tensor cores' head dims per KV width ({fp8: dims}; core_head_dims). 16-bit
 # rows (RowsTile) keep O as 16 rows x head_dim f32 accumulators: at 192 that
 # is 96 registers a lane, and the instance hits 255 registers and spills 300
@@ -111,6 +106,12 @@ CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
 # The fp8 tile (ColsTile) keeps O^T, half of that, in 32-dim blocks: 192
 # (~200 registers, 2 CTAs per SM: mma_traits) but not 80.
 MMA_HEAD_DIMS: dict[bool, tuple[int, ...]] = {False: (64, 80, 96, 128), True: (64, 96, 128, 192)}
+CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
+    "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
+    "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS,
+             ("float16", "bfloat16", f"float16+{FP8}", f"bfloat16+{FP8}"),
+             tuple(sorted({*MMA_HEAD_DIMS[False], *MMA_HEAD_DIMS[True]}))),
+}
 CORE_PREFERENCE: tuple[str, ...] = ("mma", "simt")
 
 

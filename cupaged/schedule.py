@@ -205,7 +205,6 @@ class _Constants(NamedTuple):
     hbm_share: np.ndarray    # µs per byte per concurrent CTA of a partial wave (HBM-bound)
     cta_alone: np.ndarray    # µs per byte of a lone CTA
     one: np.ndarray
-    zero: np.ndarray
 
 
 def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _Constants, merge: np.ndarray,
@@ -223,7 +222,7 @@ def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _C
     operand order are the plain formulas', so the result is bitwise theirs.
     """
     # (locals: an attribute lookup per use would cost ~0.5 µs in all)
-    page_bytes, inv_rate, cta_us, slots, inv_slots, hbm_share, cta_alone, one, zero = k
+    page_bytes, inv_rate, cta_us, slots, inv_slots, hbm_share, cta_alone, one = k
     length = length[:, None]                                         # [G, 1] against caps [K]
     per_request = length / caps                                      # [G, K]
     np.ceil(per_request, out=per_request)                            # chunks (0 for an empty request)
@@ -289,8 +288,7 @@ def _model_constants(costs: StepCosts, slots: int, page_bytes: int) -> _Constant
         return arr
 
     return _Constants(const(page_bytes), const(1.0 / _rate(costs, slots)), const(costs.cta_us), const(slots),
-                      const(1.0 / slots), const(1e-3 / costs.hbm_gbps), const(1e-3 / costs.cta_gbps), const(1.0),
-                      const(0.0))
+                      const(1.0 / slots), const(1e-3 / costs.hbm_gbps), const(1e-3 / costs.cta_gbps), const(1.0))
 
 
 class _Setup(NamedTuple):
