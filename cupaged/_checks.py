@@ -141,11 +141,10 @@ def kernel_decline_reason(q, k_cache, v_cache, method: str = "v2", variant: str 
     if head_dim not in _configs.HEAD_DIMS:
         return f"head_dim {head_dim} has no kernel instance (supported: {_configs.HEAD_DIMS})"
     if _configs.is_fp8(variant):  # fp8 KV: tensor cores only
-        dims = ", ".join(map(str, _configs.core_head_dims("mma", variant)))
-        if method == "v1":
-            return f"v1 has no fp8 KV instance (v2 serves fp8 at head_dim {dims})"
-        if not _configs.serves("mma", variant, head_dim):
-            return f"no kernel serves fp8 KV at head_dim {head_dim} (v2 serves it at {dims})"
+        if method == "v1" or not _configs.serves("mma", variant, head_dim):
+            dims = ", ".join(map(str, _configs.core_head_dims("mma", variant)))
+            return (f"v1 has no fp8 KV instance (v2 serves fp8 at head_dim {dims})" if method == "v1"
+                    else f"no kernel serves fp8 KV at head_dim {head_dim} (v2 serves it at {dims})")
         cc = compute_capability(q.data.device_id)
         if cc < 89:
             return f"fp8 KV needs compute capability 8.9+ (cvt from e4m3), this GPU has {cc // 10}.{cc % 10}"

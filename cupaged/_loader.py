@@ -44,10 +44,7 @@ OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())  # (a module
 def module_options(family: str, dtype: str, head_dim: int) -> tuple[str, ...]:
     """NVRTC options of one module: ``OPTIONS`` with its MMA shared memory
     (:func:`cupaged._configs.module_smem_kb`, what its launches pass)."""
-    smem_kb = _configs.module_smem_kb(family, dtype, head_dim)
-    if smem_kb == _configs.MMA_SMEM_KB:
-        return OPTIONS
-    return ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines(smem_kb))
+    return (*OPTIONS[:2], *_configs.nvrtc_defines(_configs.module_smem_kb(family, dtype, head_dim)))
 
 
 @functools.lru_cache(maxsize=None)

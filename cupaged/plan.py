@@ -852,7 +852,7 @@ def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int
     request's tokens in groups of the kernel's tokens per CTA, or None when
     it serves one token at a time (the CUDA-core core; a head_dim without
     an instance, which runs the gather path)."""
-    variant = _configs.variant(_configs.dtype_name(dt), kv_dt.name)
+    variant = _variant_of(dt, kv_dt)
     try:
         core = _configs.choose_core(variant, d, _env.core())
     except ValueError:
