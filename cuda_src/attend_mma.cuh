@@ -15,8 +15,9 @@
 // so ldmatrix is conflict-free and the L2 serves each sector once). Two tile
 // computations share that loop:
 // RowsTile (16-bit KV: query heads as the M rows of S = Q.K^T, rows 8..15
-// zero, P straight from the S accumulators into P.V) and ColsTile (fp8 KV:
-// transposed, S^T = K.Q^T and O^T += V^T.P^T with heads as the N columns).
+// zero, P straight from the S accumulators into P.V) and ColsTile (fp8 KV,
+// and 16-bit head dims above 128: transposed, S^T = K.Q^T and
+// O^T += V^T.P^T with heads as the N columns).
 // P is rounded to the MMA dtype for the second MMA (as in FlashAttention);
 // the denominator keeps the f32 P, so the LSE stays f32-accurate and an
 // output can exceed its inputs by ~1 ulp (fp16 stores saturate it).
@@ -454,24 +455,33 @@ struct RowsTile {
   }
 };
 
-// fp8 KV: both products run transposed, tokens and head dims as the M rows
-// and the (at most 8) query heads as the N columns: S^T = K Q^T (one
-// m16n8k16 per 16 dims of a 16-token tile) and O^T += V^T P^T (one per 16
-// output dims). Here every A fragment is widened from e4m3 in registers, and
-// this layout widens each K/V byte once (the rows layout would need the
-// byte-split V twice as B fragments). P^T comes out of the S^T accumulators
-// in the A/C layout; movmatrix turns it into the B layout.
+// The transposed tile: tokens and head dims as the M rows and the (at most
+// 8) query heads as the N columns: S^T = K Q^T (one m16n8k16 per 16 dims of a
+// 16-token tile) and O^T += V^T P^T (one per 16 output dims). P^T comes out
+// of the S^T accumulators in the A/C layout; movmatrix turns it into the B
+// layout. A lane keeps O^T as head_dim / 16 m-tiles of 4 floats, half of
+// RowsTile's O, so it serves what RowsTile cannot hold in registers:
+// - fp8 KV: every A fragment is widened from e4m3 in registers, and this
+//   layout widens each K/V byte once (the rows layout would need the
+//   byte-split V twice as B fragments);
+// - 16-bit KV at head_dim > 128 (MmaCols): K as A straight from ldmatrix, V^T
+//   from ldmatrix.trans.
 // GROUPS (a row group, RowGroup): the 8 columns are query rows, column c
 // token c / HEADS's head c % HEADS with its own causal end.
-template <typename T, int HEAD_DIM, int HEADS, bool GROUPS>
+template <typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS>
 struct ColsTile {
   static_assert(HEADS <= 8, "query heads are the MMA's 8 N columns");
-  using M = Mma<f16>;  // e4m3 widens exactly to f16
-  using L = MmaLayout<e4m3, HEAD_DIM>;
+  static constexpr bool FP8 = IsSame<KV, e4m3>::value;
+  using M = Mma<typename Select<FP8, f16, KV>::type>;  // e4m3 widens exactly to f16
+  using L = MmaLayout<KV, HEAD_DIM>;
   using Row = unsigned char[L::ROW_BYTES];
   static constexpr int KSTEPS = HEAD_DIM / 16, MT = HEAD_DIM / 16;  // k-steps; O^T m-tiles of 16 dims
-  unsigned qb[KSTEPS][2];  // Q^T B fragments (column g = query head g), permuted k order
-  float o[MT][4];          // O^T rows (dims 16i + 2g, +1), columns (heads 2t, 2t + 1)
+  // Q^T B fragments (column g = query head g). fp8: held in registers
+  // (permuted k order). 16-bit: re-read (L1) each tile from column g's q row
+  // + 2t (null: a column not in use), which keeps 24 registers at head_dim
+  // 192 out of the loop (else the rows family spills).
+  typename Select<FP8, unsigned[KSTEPS][2], const T*>::type qb;
+  float o[MT][4];          // O^T rows (dims: dim_of(i, 0), dim_of(i, 1)), columns (heads 2t, 2t + 1)
   float m0, m1, l0, l1;    // heads 2t and 2t + 1 (l: this lane's share of the sum)
   int rows;               // query columns in use
   int lim0, lim1;         // GROUPS: the causal ends (slot) of columns 2t and 2t + 1
@@ -486,24 +496,40 @@ struct ColsTile {
     lim0 = GROUPS ? rg.lim0 + 2 * t / HEADS : 0;
     lim1 = GROUPS ? rg.lim0 + (2 * t + 1) / HEADS : 0;
     const T* qg = GROUPS ? q + (g / HEADS) * rg.stride_q_row + (g % HEADS) * stride_q_head : q + g * stride_q_head;
-    score_scale = sc.scale * load_q_fragments<T, true, KSTEPS>(qg, g < rows, t, qb);
+    if constexpr (FP8) {
+      score_scale = sc.scale * load_q_fragments<T, FP8, KSTEPS>(qg, g < rows, t, qb);
+    } else {
+      qb = g < rows ? qg + 2 * t : nullptr;
+      score_scale = sc.scale;
+    }
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   }
 
+  // The head dim of O^T row g (h = 0) or g + 8 (h = 1) of m-tile i.
+  __device__ __forceinline__ int dim_of(int i, int h) const { return FP8 ? 16 * i + 2 * g + h : 16 * i + g + 8 * h; }
+
   __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int s1) {
     // S^T = K Q^T: rows tokens g, g + 8; columns heads 2t, 2t + 1. One
-    // ldmatrix.x4 covers 32 dims: matrix j is tokens (j % 2) * 8.. and bytes
-    // 16 * (j / 2).. of the block; a lane's 4 bytes are dims 4t..4t+3, the
-    // permuted k order of load_q_fragments. Two accumulators (even and odd
-    // k-steps) halve the dependent MMA chain.
+    // ldmatrix.x4 covers 32 bytes of the tile's 16 rows: matrix j is tokens
+    // (j % 2) * 8.. and bytes 16 * (j / 2).. of the block. 16-bit: that is
+    // one k-step's A fragment. fp8: 32 dims, two k-steps; a lane's 4 bytes
+    // are dims 4t..4t+3, the permuted k order of load_q_fragments. Two
+    // accumulators (even and odd k-steps) halve the dependent MMA chain.
     float sa[4] = {0.f, 0.f, 0.f, 0.f}, sb[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int kb = 0; kb < HEAD_DIM / 32; ++kb) {
+    for (int kb = 0; kb < HEAD_DIM * (int)sizeof(KV) / 32; ++kb) {
       unsigned a[4];
       ldmatrix_x4(a, &kt[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, kb * 32 + (lane / 16) * 16)]);
-      M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);
-      M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0], qb[2 * kb + 1][1]);
+      if constexpr (FP8) {
+        M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);
+        M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0], qb[2 * kb + 1][1]);
+      } else {
+        // (B = Q^T's fragments are Q's A fragments: natural order)
+        const unsigned* qr = reinterpret_cast<const unsigned*>(qb + kb * 16);
+        const unsigned b0 = qb ? __ldg(qr) : 0u, b1 = qb ? __ldg(qr + 4) : 0u;
+        M::mma(kb % 2 ? sb : sa, a[0], a[1], a[2], a[3], b0, b1);
+      }
     }
     float s[4];
 #pragma unroll
@@ -555,17 +581,26 @@ struct ColsTile {
     // b0 = P[head g][tokens 2t, 2t+1], b1 = P[head g][tokens 2t+8, 2t+9].
     const unsigned pb0 = movmatrix_trans(M::pack(p0, p1));
     const unsigned pb1 = movmatrix_trans(M::pack(p2, p3));
-    // ldmatrix.trans of one-byte V gives a lane dims 2g, 2g+1 of tokens
-    // 2t, 2t+1; split into even and odd dims they are the A rows g and g + 8
-    // of m-tile 2db + h: rows (g, g + 8) are dims 32db + 16h + 2g + (0, 1).
+    // O^T += V^T P^T, one m-tile of 16 dims per MMA.
 #pragma unroll
-    for (int db = 0; db < HEAD_DIM / 32; ++db) {
+    for (int db = 0; db < HEAD_DIM * (int)sizeof(KV) / 32; ++db) {
       unsigned v[4];
-      ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, db * 32 + (lane / 16) * 16)]);
+      if constexpr (FP8) {
+        // ldmatrix.trans of one-byte V gives a lane dims 2g, 2g+1 of tokens
+        // 2t, 2t+1; split into even and odd dims they are the A rows g and
+        // g + 8 of m-tile 2db + h: rows (g, g + 8) are dims 32db + 16h + 2g + (0, 1).
+        ldmatrix_x4_trans(v, &vt[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, db * 32 + (lane / 16) * 16)]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);
-        M::mma(o[2 * db + h], fp8_lo(x), fp8_hi(x), fp8_lo(y), fp8_hi(y), pb0, pb1);
+        for (int h = 0; h < 2; ++h) {
+          const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);
+          M::mma(o[2 * db + h], fp8_lo(x), fp8_hi(x), fp8_lo(y), fp8_hi(y), pb0, pb1);
+        }
+      } else {
+        // 16 dims of 16 tokens: matrix j is tokens (j / 2) * 8.. and dims
+        // 16db + (j % 2) * 8..; transposed, a lane holds V^T's A fragment
+        // (rows dims g, g + 8; columns tokens 2t, 2t + 1 and 2t + 8, 2t + 9).
+        ldmatrix_x4_trans(v, &vt[(lane / 16) * 8 + (lane % 8)][L::at(lane, db * 32 + ((lane / 8) % 2) * 16)]);
+        M::mma(o[db], v[0], v[1], v[2], v[3], pb0, pb1);
       }
     }
   }
@@ -589,18 +624,35 @@ struct ColsTile {
       }
     }
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {  // rows (g, g + 8) are dims 16i + 2g + (0, 1)
-      if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][16 * i + 2 * g]) = make_float2(o[i][0], o[i][2]);
-      if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][16 * i + 2 * g]) = make_float2(o[i][1], o[i][3]);
+    for (int i = 0; i < MT; ++i) {
+      if constexpr (FP8) {  // (adjacent dims: one float2 per head)
+        if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][dim_of(i, 0)]) = make_float2(o[i][0], o[i][2]);
+        if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][dim_of(i, 0)]) = make_float2(o[i][1], o[i][3]);
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h0 < rows) st.acc[warp][h0][dim_of(i, h)] = o[i][2 * h];
+          if (h1 < rows) st.acc[warp][h1][dim_of(i, h)] = o[i][2 * h + 1];
+        }
+      }
     }
   }
 };
 
+// Which tile a (KV format, head_dim) runs: ColsTile for fp8, and for 16-bit
+// head dims above 128 (RowsTile's O would need 96+ registers a lane at 192:
+// 255 registers and spills); RowsTile otherwise. Mirrored by
+// cupaged/_configs.py mma_cols.
+template <typename KV, int HEAD_DIM>
+struct MmaCols {
+  static constexpr bool value = IsSame<KV, e4m3>::value || HEAD_DIM > 128;
+};
+
 // Query rows one tensor-core CTA holds: its HEADS heads, or with row groups
-// the MMA's 16 M rows (16-bit KV) or 8 N columns (fp8 KV).
-template <typename KV, int HEADS, bool GROUPS>
+// the MMA's 16 M rows (RowsTile) or 8 N columns (ColsTile).
+template <typename KV, int HEAD_DIM, int HEADS, bool GROUPS>
 struct MmaRows {
-  static constexpr int value = !GROUPS ? HEADS : IsSame<KV, e4m3>::value ? 8 : 16;
+  static constexpr int value = !GROUPS ? HEADS : MmaCols<KV, HEAD_DIM>::value ? 8 : 16;
 };
 
 // Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
@@ -612,8 +664,8 @@ __device__ __forceinline__ void cta_attend_mma(
     const KV* __restrict__ k_cache, CacheStrides ks,
     const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
     const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end, RowGroup rg,
-    MmaScratch<T, KV, HEAD_DIM, MmaRows<KV, HEADS, GROUPS>::value>& sm, Emit& emit) {
-  using Tile = typename Select<IsSame<KV, e4m3>::value, ColsTile<T, HEAD_DIM, HEADS, GROUPS>,
+    MmaScratch<T, KV, HEAD_DIM, MmaRows<KV, HEAD_DIM, HEADS, GROUPS>::value>& sm, Emit& emit) {
+  using Tile = typename Select<MmaCols<KV, HEAD_DIM>::value, ColsTile<T, KV, HEAD_DIM, HEADS, GROUPS>,
                                RowsTile<T, HEAD_DIM, HEADS, GROUPS>>::type;
   Tile tile(q, stride_q_head, sc, rg);
   mma_token_loop<KV, HEAD_DIM>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin, slot_end, sm,

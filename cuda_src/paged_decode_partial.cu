@@ -128,7 +128,7 @@ template <typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS>
 struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS, GROUPS> {
   static constexpr int THREADS = MMA_THREADS;
   static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;
-  static constexpr int ROWS = MmaRows<KV, HEADS, GROUPS>::value;
+  static constexpr int ROWS = MmaRows<KV, HEAD_DIM, HEADS, GROUPS>::value;
   static constexpr int TOKENS = ROWS / HEADS;
   using Scratch = MmaScratch<T, KV, HEAD_DIM, ROWS>;
   static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this

@@ -256,23 +256,38 @@ def check_sinks(sinks, q):
                          " (num_qo_heads)")
 
 
+def scale_value(x, name: str) -> float:
+    """A per-tensor k/v scale (decode's and append_kv's rule): a positive
+    normal float32, as the kernels take it (1e39 would be inf, 1e-50 zero)
+    and so that its reciprocal (append_kv's quantization) is finite."""
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(f"{name} must be a real number, got {x!r}") from None
+    if not (math.isfinite(value) and F32_TINY <= value <= F32_MAX):
+        raise InvalidArgumentError(
+            f"{name} must be positive, finite and a normal float32 ({F32_TINY:.3g} to {F32_MAX:.3g}, so its "
+            f"reciprocal is finite), got {x!r}")
+    return value
+
+
+def check_scale_array(arr, name: str, num_kv_heads: int) -> None:
+    """A per-head k/v scale's metadata (decode's and append_kv's rule):
+    float32 ``[num_kv_heads]``, or ``[1]`` for every head; never cast."""
+    if tuple(arr.shape) not in ((num_kv_heads,), (1,)):
+        raise ShapeError(f"{name} must have shape ({num_kv_heads},) (one per kv head) or (1,), got {tuple(arr.shape)}")
+    if arr.dtype != np.float32:
+        raise DTypeError(f"{name} must be float32, got {arr.dtype}; it is never cast")
+
+
 def scale_arg(x, name: str, num_kv_heads: int, q):
     """(per-tensor float, per-head float32 CuPy array or None) of a k/v scale."""
     if x is None:
         return 1.0, None
     if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, (bool, np.bool_)):
-        value = float(x)
-        # a normal float32: the kernels take it as one (1e39 would be inf, 1e-50 zero)
-        if not F32_TINY <= value <= F32_MAX:
-            raise InvalidArgumentError(
-                f"{name} must be a positive normal float32 ({F32_TINY:.3g} to {F32_MAX:.3g}), got {x!r}")
-        return value, None
+        return scale_value(x, name), None
     arr = as_cupy(x, name)
-    if arr.shape not in ((num_kv_heads,), (1,)) or arr.dtype != np.float32:
-        raise ShapeError(
-            f"{name} must be a float, or a float32 array of shape ({num_kv_heads},) (one per kv head) or (1,); "
-            f"got shape {arr.shape} dtype {arr.dtype}"
-        )
+    check_scale_array(arr, name, num_kv_heads)
     if arr.data.device_id != q.data.device_id:
         raise DeviceMismatchError(f"{name} must be on q's device {q.data.device_id}, got device {arr.data.device_id}")
     if arr.shape != (num_kv_heads,):  # (1,): one scale for every head

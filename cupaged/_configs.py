@@ -100,12 +100,12 @@ PDL: bool = _env.pdl()
 # is fp16 q over an fp8 cache, served by the tensor cores only (the CUDA-core
 # mapping would need twice the registers per lane for 16 fp8 elements).
 # The tensor cores' head dims per KV width ({fp8: dims}; core_head_dims). 16-bit
-# rows (RowsTile) keep O as 16 rows x head_dim f32 accumulators: at 192 that
-# is 96 registers a lane, and the instance hits 255 registers and spills 300
-# bytes (NVRTC, sm_90), so 16-bit 192 runs on the CUDA cores, as 256 does.
-# The fp8 tile (ColsTile) keeps O^T, half of that, in 32-dim blocks: 192
-# (~200 registers, 2 CTAs per SM: mma_traits) but not 80.
-MMA_HEAD_DIMS: dict[bool, tuple[int, ...]] = {False: (64, 80, 96, 128), True: (64, 96, 128, 192)}
+# rows (RowsTile) keep O as 16 rows x head_dim f32 accumulators, which at 192
+# would be 96 registers a lane (255 registers and 300 bytes of spills, NVRTC
+# sm_90); so 16-bit above 128, like fp8, runs the transposed tile (ColsTile:
+# O^T, half of that; mma_cols). 256 runs on the CUDA cores; fp8 80 has no
+# instance (ColsTile's fp8 blocks are 32 dims).
+MMA_HEAD_DIMS: dict[bool, tuple[int, ...]] = {False: (64, 80, 96, 128, 192), True: (64, 96, 128, 192)}
 CORES: dict[str, tuple[str, int, tuple[str, ...], tuple[int, ...]]] = {
     "simt": ("cupaged::Core::SIMT", 128, ("float16", "bfloat16", "float32"), HEAD_DIMS),
     "mma": ("cupaged::Core::MMA", 32 * MMA_WARPS,
@@ -312,14 +312,21 @@ def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str,
     return name_expressions(family, dtype, head_dim).index(name), CORES[core][1]
 
 
-def tokens_per_cta(dtype: str, heads_per_cta: int, core: str) -> int:
+def mma_cols(dtype: str, head_dim: int) -> bool:
+    """Whether a tensor-core instance runs the transposed tile (cuda_src
+    MmaCols: fp8 KV, or 16-bit KV above head_dim 128) rather than the rows
+    tile."""
+    return is_fp8(dtype) or head_dim > 128
+
+
+def tokens_per_cta(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> int:
     """Query tokens of one request a "rows" CTA serves per read of its K/V
-    (cuda_src AttendCore::TOKENS): the tensor-core tile's 16 M rows (16-bit
-    KV) or 8 N columns (fp8 KV) over the CTA's heads; the CUDA-core core
-    serves one token at a time."""
+    (cuda_src AttendCore::TOKENS): the tensor-core tile's 16 M rows
+    (RowsTile) or 8 N columns (ColsTile: :func:`mma_cols`) over the CTA's
+    heads; the CUDA-core core serves one token at a time."""
     if core != "mma":
         return 1
-    return (8 if is_fp8(dtype) else 16) // heads_per_cta
+    return (8 if mma_cols(dtype, head_dim) else 16) // heads_per_cta
 
 
 def all_modules() -> list[tuple[str, str, int]]:

@@ -10,7 +10,6 @@ copy anywhere in between.
 from __future__ import annotations
 
 import functools
-import math
 import operator
 import weakref
 from typing import NamedTuple
@@ -21,7 +20,7 @@ from . import _configs, _loader
 from ._typing import DeviceArray, IndexArray, Scale
 from ._device import require_gpu
 from ._arrays import as_cupy as _as_cupy
-from ._checks import KV_LAYOUTS, compute_capability
+from ._checks import KV_LAYOUTS, check_scale_array, compute_capability, scale_value
 from .errors import (ArgumentTypeError, DeviceMismatchError, DTypeError, InvalidArgumentError, LayoutError,
                      ShapeError, UnsupportedConfigError)
 from .page_table import PageTable
@@ -32,8 +31,6 @@ _THREADS = 128  # APPEND_THREADS in cuda_src/append_kv.cu
 _NULL = np.uint64(0)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 _GRID_X_MAX = 2**31 - 1
-_F32_MAX = float(np.finfo(np.float32).max)
-_F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
 
 
 class _Launch(NamedTuple):
@@ -457,32 +454,18 @@ def _slot_race_message(table: PageTable, append_indptr, a: int, b: int, slot: in
 
 
 def _check_scale(scale, name: str, num_kv_heads: int):
-    """A number -> a positive finite float; an array -> itself
-    after its metadata checks (float32, [num_kv_heads] or [1]; the launch
-    makes it a contiguous [num_kv_heads])."""
+    """A number (or 0-d NumPy value) -> a float; an array -> itself after its
+    metadata checks (the launch makes it a contiguous [num_kv_heads]). The
+    rules are decode's (_checks.scale_value, check_scale_array)."""
     if isinstance(scale, (bool, np.bool_)):
         raise ArgumentTypeError(f"{name} must be None, a float or a float32 array [num_kv_heads], got {scale!r}")
     if isinstance(scale, (int, float, np.number)) or (isinstance(scale, np.ndarray) and scale.ndim == 0):
-        try:
-            value = float(scale)
-        except (TypeError, ValueError):
-            raise ArgumentTypeError(f"{name} must be a real number, got {scale!r}") from None
-        if not (math.isfinite(value) and _F32_TINY <= value <= _F32_MAX):
-            raise InvalidArgumentError(
-                f"{name} must be positive, finite and a normal float32 (>= {_F32_TINY:.3g}, so its reciprocal is "
-                f"finite), got {scale!r}"
-            )
-        return value
+        return scale_value(scale, name)
     if not (hasattr(scale, "shape") and hasattr(scale, "dtype") and hasattr(scale, "strides")):
         raise ArgumentTypeError(
             f"{name} must be None, a float or a float32 array [num_kv_heads], got {type(scale).__name__}"
         )
-    if tuple(scale.shape) not in ((num_kv_heads,), (1,)):
-        raise ShapeError(
-            f"{name} must have shape ({num_kv_heads},) (one per kv head) or (1,), got {tuple(scale.shape)}"
-        )
-    if scale.dtype != np.float32:
-        raise DTypeError(f"{name} must be float32, got {scale.dtype}; it is never cast")
+    check_scale_array(scale, name, num_kv_heads)
     return scale
 
 

@@ -561,20 +561,7 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
     from .merge import launch_merge
 
     q, k_cache, v_cache = _as_cupy(q, "q"), _as_cupy(k_cache, "k_cache"), _as_cupy(v_cache, "v_cache")
-    _check_tables(shared_table, unique_table)
-    if q.ndim != 3:
-        raise ShapeError(f"q must be 3-D [batch, num_qo_heads, head_dim], got shape {q.shape}")
-    if k_cache.ndim != 4:
-        raise ShapeError(f"k_cache must be 4-D (kv_layout {kv_layout!r}), got shape {k_cache.shape}")
-    if kv_layout not in KV_LAYOUTS:
-        raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
-    dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)  # decode's rule and DTypeError
-    batch, hq, d = q.shape
-    hkv = k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
-    if unique_table.batch_size != batch:
-        raise ShapeError(
-            f"q's batch (q.shape[0] = {batch}) must equal unique_table.batch_size ({unique_table.batch_size})"
-        )
+    batch, hq, d, hkv = _check_call(q, k_cache, v_cache, shared_table, unique_table, kv_layout)
     kw = {"sm_scale": sm_scale, "logits_soft_cap": logits_soft_cap, "k_scale": k_scale, "v_scale": v_scale,
           "kv_layout": kv_layout}
     if plan is None:
@@ -613,6 +600,25 @@ def cascade_decode(q: DeviceArray, k_cache: DeviceArray, v_cache: DeviceArray, s
     cupy.take(buf.level_lse, buf.state_index, axis=0, out=buf.states_lse.reshape(-1))
     launch_merge(buf.states_v, buf.states_lse, buf.o_indptr, batch, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _check_call(q, k_cache, v_cache, shared_table, unique_table, kv_layout: str) -> tuple[int, int, int, int]:
+    """cascade_decode's argument checks that need no plan; returns (batch,
+    num_qo_heads, head_dim, num_kv_heads)."""
+    _check_tables(shared_table, unique_table)
+    if q.ndim != 3:
+        raise ShapeError(f"q must be 3-D [batch, num_qo_heads, head_dim], got shape {q.shape}")
+    if k_cache.ndim != 4:
+        raise ShapeError(f"k_cache must be 4-D (kv_layout {kv_layout!r}), got shape {k_cache.shape}")
+    if kv_layout not in KV_LAYOUTS:
+        raise LayoutError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    dtype_variant(q.dtype, k_cache.dtype, v_cache.dtype)  # decode's rule and DTypeError
+    batch, hq, d = q.shape
+    if unique_table.batch_size != batch:
+        raise ShapeError(
+            f"q's batch (q.shape[0] = {batch}) must equal unique_table.batch_size ({unique_table.batch_size})"
+        )
+    return batch, hq, d, k_cache.shape[2] if kv_layout == "NHD" else k_cache.shape[1]
 
 
 def _check_plan(plan, q, k_cache, hkv: int, shared_table, unique_table, group_indptr) -> None:

@@ -198,19 +198,7 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         raise_not_current(q)
     head_dim = q.shape[-1]
     scores = call_scores(sm_scale, head_dim, logits_soft_cap, k_scale, v_scale, sinks, k_cache.shape[2], q)
-    if out is None:
-        out = cupy.empty(q.shape, dtype=q.dtype)
-    else:
-        out = check_out(out, q)
-        if validate:
-            from ._validate import check_out_overlap
-
-            check_out_overlap(out)
-    if lse is not None:
-        lse = check_lse(lse, q)
-    elif return_lse:
-        lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
-
+    out, lse = _outputs(q, out, lse, return_lse, validate)
     selection = select(q, k_cache, v_cache, table, method, dtype, scores.k_head_scale is not None
                         or scores.v_head_scale is not None, scores.sinks is not None)
     if validate:
@@ -231,6 +219,26 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
         _decode_v2(q, k_cache, v_cache, table, plan, dtype, scores, out, lse, (raw_k, raw_v, raw_table, method, (
             sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr)))
     return (out, lse) if return_lse else out
+
+
+def _outputs(q, out, lse, return_lse: bool, validate: bool):
+    """decode's ``(out, lse)``: the given arrays checked, or new ones (no
+    LSE array unless one is given or ``return_lse``)."""
+    import cupy
+
+    if out is None:
+        out = cupy.empty(q.shape, dtype=q.dtype)
+    else:
+        out = check_out(out, q)
+        if validate:
+            from ._validate import check_out_overlap
+
+            check_out_overlap(out)
+    if lse is not None:
+        lse = check_lse(lse, q)
+    elif return_lse:
+        lse = cupy.empty(q.shape[:2], dtype=cupy.float32)
+    return out, lse
 
 
 def _decode_v2(q, k_cache, v_cache, table, plan, dtype: str, scores, out, lse, call: tuple) -> None:

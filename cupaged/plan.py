@@ -415,12 +415,13 @@ class DecodePlan:
       KV head ``h // group_size``.
     * ``heads_per_cta``: query heads served by one CTA;
       ``q_groups = group_size // heads_per_cta``.
-    * ``pages_per_chunk``: the longest chunk (pages), ``target_ctas``,
-      ``num_chunks``.
+    * ``pages_per_chunk``: the largest chunk size ``max(c_i)`` (pages),
+      ``target_ctas``, ``num_chunks``.
     * ``request_chunk_pages [B]``: request ``i``'s chunk size ``c_i`` in pages
       (``pages_per_chunk`` for every request under a uniform split; the
       default plan splits each request evenly, see
-      :func:`cupaged.schedule.split_pages`).
+      :func:`cupaged.schedule.split_pages`, and gives an unsplit request the
+      cap: the plan serves it as it grows, up to ``c_i`` pages).
     * ``chunk_request [num_chunks]``: request of each chunk (non-decreasing).
     * ``chunk_index [num_chunks]``: index ``j`` of the chunk within its
       request; its pages are ``[j*c_i, min((j+1)*c_i, pages_i))`` relative to
@@ -857,7 +858,7 @@ def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int
         core = _configs.choose_core(variant, d, _env.core())
     except ValueError:
         return None
-    tokens = _configs.tokens_per_cta(variant, hpc, core)
+    tokens = _configs.tokens_per_cta(variant, d, hpc, core)
     if tokens == 1:
         return None
     q_len = np.diff(ptr)
@@ -939,6 +940,11 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
         chunks += 1
         chunk_pages = below // chunks  # schedule.split_pages, in place
         chunk_pages += 1
+        # An unsplit request's chunk is the cap itself, not its pages (the
+        # kernel clips a chunk to its request): the plan then matches the
+        # table until the request outgrows the cap, so a server holds it
+        # across decode steps instead of re-planning at every page boundary.
+        np.copyto(chunk_pages, max_pages_per_chunk, where=chunks == 1)
     else:  # uniform: every request in chunks of c pages
         chunks = below // c
         chunks += 1

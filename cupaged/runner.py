@@ -141,6 +141,7 @@ class DecodeRunner:
         self._num_pages = None  # the caches' page count seen by run(): later tables are checked against it
         self.current_plan: DecodePlan | None = None
         self.current_table: PageTable | None = None
+        self._own = None  # (plan, window_left) of the runner's last own plan without knobs or qo_indptr
 
     # ------------------------------------------------------------------ plan
     def plan(self, table: PageTable, plan: DecodePlan | None = None, *, window_left=None, qo_indptr=None,
@@ -150,7 +151,11 @@ class DecodeRunner:
         ``plan`` is given, and writes it into the image with one copy on the
         current stream, ordered before the next :meth:`run`. Returns the plan.
         Not while the stream is capturing (the copy reads pinned host memory
-        that the next plan rewrites). With ``window_left`` (as for
+        that the next plan rewrites). Without ``plan`` or knobs, the runner
+        keeps its last own plan while that still serves the table
+        (``plan.matches``: requests grew within their chunks; an unsplit
+        request's chunk is the plan's cap), so a steady batch re-plans only
+        when a request joins, leaves or outgrows its chunks. With ``window_left`` (as for
         :func:`cupaged.decode`) the runner's step is ``table.windowed(window_left)``
         (a given ``plan`` must be made for that window); ``append_kv`` still
         writes each request's last slot, which the window keeps. A model that
@@ -186,7 +191,9 @@ class DecodeRunner:
             if self._num_pages is not None:
                 table.check_page_ids(self._num_pages)
             if plan is None:
-                plan = self._plan(step, knobs)
+                plan = self._held(table, step, knobs) or self._plan(step, knobs)
+                simple = not knobs and qo_indptr is None and (window_left is None or type(window_left) is int)
+                self._own = (plan, window_left) if simple else None
             else:
                 check_plan_for(plan, table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.variant)
                 if plan.group_last is not None and not self.group_tokens:
@@ -198,6 +205,19 @@ class DecodeRunner:
             self._launch.load(plan, _launch.plan_units(plan), table)
             self.current_plan, self.current_table = plan, table
             return plan
+
+    def _held(self, table: PageTable, step: tuple, knobs: dict) -> DecodePlan | None:
+        """The runner's last own plan when it still serves this step's
+        (kernel) ``table``: requests that grew within their chunks (an
+        unsplit request's chunk is the plan's cap) need no new plan, so a
+        steady batch skips plan_decode on most steps. Only for a plain step
+        (no knobs, no qo_indptr, the same window)."""
+        if self._own is None or knobs or step[2] is not None:
+            return None
+        plan, window_left = self._own
+        if step[1] is not window_left and not (type(step[1]) is int and step[1] == window_left):
+            return None
+        return plan if plan.matches(table) else None
 
     def _plan(self, step: tuple, knobs: dict) -> DecodePlan:
         """plan_decode of the step ``(table, window_left, qo_indptr)`` (row

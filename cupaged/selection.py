@@ -49,8 +49,9 @@ def default_method() -> str:
     return _env.decode_method()  # CUPAGED_DECODE, validated
 
 
-def auto_method(table: PageTable) -> Selection:
-    """What ``method="auto"`` picks for a batch the kernels can serve.
+def auto_method() -> Selection:
+    """What ``method="auto"`` picks for a call the kernels can serve (any
+    batch: the choice does not depend on it).
 
     v2 everywhere: the H200 microbenchmark (docs/benchmarks/) shows no cell
     where v1 or gather is faster.
@@ -135,5 +136,5 @@ def select(q, k_cache, v_cache, table: PageTable, method: str, variant: str = ""
         log_fallback(method, decline)  # a WARNING, once per (method, reason)
         return Selection("gather", f"fallback from {method}: {decline}")
     if method == "auto":
-        return auto_method(table)
+        return auto_method()
     return Selection(method, "requested")

@@ -93,24 +93,28 @@ def _step_pool(prompts, steps: int):
     return pool, ids
 
 
-def _time_steps(pool, ids, steps: int, plan: bool) -> dict:
+def _time_steps(pool, ids, steps: int, plan: str | None) -> dict:
     """µs lists of ``steps`` decode steps: advance, page_table, append_kv's
-    slot check of the new table (its first layer; no GPU needed) and, with
-    ``plan``, plan_decode between steps, as a server runs it."""
+    slot check of the new table (its first layer; no GPU needed) and the
+    plan between steps, as a server runs it: ``plan`` "every" step, or
+    "held" (a new plan only when the last one no longer ``matches`` the
+    table; ``times["replans"]`` counts them), or None."""
     import numpy as np
 
     import cupaged
     from cupaged.append import _check_distinct_slots
 
-    times: dict = {"advance": [], "table": [], "book": [], "slots": [], "plan": [], "total": []}
+    times: dict = {"advance": [], "table": [], "book": [], "slots": [], "plan": [], "total": [], "replans": 0}
+    held = None
     for _ in range(steps):
         t0 = time.perf_counter()
         pool.advance(ids, 1)
         t1 = time.perf_counter()
         table, _ = pool.page_table(ids)
         t2 = time.perf_counter()
-        if plan:
-            cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+        if plan == "every" or (plan == "held" and (held is None or not held.matches(table))):
+            held = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+            times["replans"] += 1
         t3 = time.perf_counter()
         _check_distinct_slots(table, None)
         t4 = time.perf_counter()
@@ -126,7 +130,9 @@ def step_costs(steps: int = 2000) -> None:
     token), ``pool.page_table(ids)`` for the same id list (the incremental
     path), ``plan_decode`` on that table (fp16, 32 q / 8 kv heads, D 128, 132
     SMs) and their sum, with plan_decode between steps as a server runs it;
-    median, p10 and p90 over ``steps`` steps. Then the bookkeeping back to
+    the same with the plan held while ``plan.matches`` the table (plan_decode
+    when it does not, as DecodeRunner.plan does); median, p10 and p90 over
+    ``steps`` steps. Then the bookkeeping back to
     back (no plan_decode between: warm caches), append_kv's slot check of a
     new table, the per-sequence way (``B x pool.append`` + ``page_table``)
     and a ``page_table`` after one sequence left and one joined."""
@@ -134,8 +140,9 @@ def step_costs(steps: int = 2000) -> None:
     for batch, spec, seed in STEP_BATCHES:
         prompts = _common.ragged_lengths(spec, batch, seed)
         pool, ids = _step_pool(prompts, steps)
-        served = _time_steps(pool, ids, steps, plan=True)
-        warm = _time_steps(pool, ids, steps // 2, plan=False)
+        served = _time_steps(pool, ids, steps, plan="every")
+        kept = _time_steps(pool, ids, steps, plan="held")
+        warm = _time_steps(pool, ids, steps // 2, plan=None)
         loop = []
         for _ in range(steps // 10):
             t0 = time.perf_counter()
@@ -157,6 +164,7 @@ def step_costs(steps: int = 2000) -> None:
         _spread("advance + page_table (bookkeeping)", served["book"])
         _spread("plan_decode", served["plan"])
         _spread("step total (bookkeeping + plan_decode)", served["total"])
+        _spread(f"step total, plan held while it matches ({kept['replans']} plans)", kept["total"])
         _spread("bookkeeping back to back (no plan_decode between)", warm["book"])
         _spread("append_kv slot check of the step's table", served["slots"])
         _spread(f"{batch} x pool.append + page_table", loop)

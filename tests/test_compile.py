@@ -124,11 +124,10 @@ def test_a_head_dims_shared_memory_trait_reaches_its_module_and_its_launch(monke
     """The MMA shared memory of a (KV format, head_dim) is compiled into its
     module (CUPAGED_MMA_SMEM_KB) and passed at launch (dynamic_smem), the same
     number: the default for today's instances, and what two ring stages need
-    where that is more (16-bit 192, were the tensor cores to serve it)."""
+    where that is more (16-bit 192)."""
     assert _loader.module_options("partial", "float16", 128) == _loader.OPTIONS
     assert _configs.dynamic_smem("mma", "float16", 128) == _configs.MMA_SMEM_KB * 1024
     assert _configs.dynamic_smem("simt", "float16", 128) == 0
-    monkeypatch.setitem(_configs.MMA_HEAD_DIMS, False, (*_configs.MMA_HEAD_DIMS[False], 192))
     assert _configs.mma_traits("float16", 192).smem_kb == 97 > _configs.MMA_SMEM_KB
     options = _loader.module_options("partial", "float16", 192)
     assert "-DCUPAGED_MMA_SMEM_KB=97" in options and _configs.dynamic_smem("mma", "float16", 192) == 97 * 1024

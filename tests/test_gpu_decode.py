@@ -161,13 +161,14 @@ def test_head_dims(head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_head_dims_80_and_192_on_every_core(head_dim, dtype, monkeypatch):
     """Issue 19's added head dims (Phi-2's 80, MLA-style 192) on each core that
-    serves them (tensor cores: 16-bit at 80; CUDA cores: every dtype), split
-    and unsplit, mid-page starts, an empty and a long request, against
-    float64; dispatch picks the tensor cores where they serve."""
+    serves them (tensor cores: 16-bit, at 192 with the transposed tile;
+    CUDA cores: every dtype), split and unsplit, mid-page starts, an empty
+    and a long request, against float64; dispatch picks the tensor cores
+    where they serve."""
     from cupaged import _configs
 
     variant = _configs.dtype_name(dtype)
-    want_core = "mma" if head_dim == 80 and dtype != np.float32 else "simt"
+    want_core = "simt" if dtype == np.float32 else "mma"
     assert _configs.choose_core(variant, head_dim) == want_core
     dev, table, host = batch(32, [*RAGGED_LENS, 0, 4099], head_dim=head_dim, dtype=dtype)
     ref_out, ref_lse = reference.decode(*host, table)

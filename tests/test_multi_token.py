@@ -234,6 +234,8 @@ def test_multi_token_matches_reference(dtype, kv):
     (16, 8, 64, BF16, "fp8"),     # fp8, 2 heads per CTA: 4 tokens
     (32, 8, 80, F16, "same"),     # head_dim 80: an odd k-step count (ldmatrix.x2 for the last)
     (32, 8, 192, BF16, "fp8"),    # fp8 head_dim 192 on the tensor cores
+    (32, 8, 192, F16, "same"),    # 16-bit 192: the transposed tile's 8 columns, 2 tokens
+    (8, 8, 192, BF16, "same"),    # 16-bit 192, one head per CTA: 8 tokens
 ], ids=str)
 def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
     """Plans with row groups (a request's tokens as extra MMA rows, each with

@@ -531,11 +531,12 @@ def smallest_c_within(request_pages, ctas_per_chunk, limit):
 
 
 def brute_split(pages, cap):
-    """Fewest chunks of at most ``cap`` pages per request, made equal."""
+    """Fewest chunks of at most ``cap`` pages per request, made equal; an
+    unsplit request's chunk size is the cap (it may grow into it)."""
     out = []
     for p in pages:
         n = max(1, -(-int(p) // cap))
-        out.append((max(1, -(-int(p) // n)), n))
+        out.append((cap if n == 1 else -(-int(p) // n), n))
     return out
 
 
@@ -589,11 +590,13 @@ def test_plan_matches_with_balanced_chunks():
     rng = np.random.default_rng(8)
     t = table_from_pages(rng, [100, 7])
     p = plan_decode(t, 32, 8, 128, "float16", max_pages_per_chunk=30)
-    assert p.request_chunk_pages.tolist() == [25, 7] and p.request_chunks.tolist() == [4, 1]
-    assert p.matches(table_from_pages(rng, [98, 6]))        # still 4 chunks of 25 and 1 of 7
+    # the unsplit request's chunk is the cap: the plan serves it as it grows to 30 pages
+    assert p.request_chunk_pages.tolist() == [25, 30] and p.request_chunks.tolist() == [4, 1]
+    assert p.matches(table_from_pages(rng, [98, 6]))        # still 4 chunks of 25 and 1 of 30
+    assert p.matches(table_from_pages(rng, [100, 30]))      # the short one grew into its chunk
     assert not p.matches(table_from_pages(rng, [101, 7]))   # 101 pages need a 5th chunk of 25
     assert not p.matches(table_from_pages(rng, [75, 7]))    # 3 chunks now
-    assert not p.matches(table_from_pages(rng, [100, 8]))   # the short one's chunk is 7 pages
+    assert not p.matches(table_from_pages(rng, [100, 31]))  # the short one outgrew the cap
 
 
 # --------------------------------------------------------------------------
@@ -758,16 +761,17 @@ def test_deterministic_plan_fields(monkeypatch):
     assert big.pages_per_chunk == 1 and big.request_chunks[0] == 3
 
 
-@pytest.mark.parametrize("arg, fits", [("pages_per_chunk", 2**31 - 1), ("max_pages_per_chunk", 7)])
-def test_chunk_size_beyond_int32_is_rejected(arg, fits):
+@pytest.mark.parametrize("arg", ["pages_per_chunk", "max_pages_per_chunk"])
+def test_chunk_size_beyond_int32_is_rejected(arg):
     """The kernels read the chunk size as a C ``int``: 2**32 would arrive as 0
-    (zero output, LSE -inf), so it is refused; 2**31 - 1 is still a valid size."""
+    (zero output, LSE -inf), so it is refused; 2**31 - 1 is still a valid size
+    (under a cap, the unsplit requests' chunk size)."""
     table = PageTable.from_seq_lens([100, 7], 16)
     for bad in (2**31, 2**32):
         with pytest.raises(InvalidArgumentError, match=rf"^{arg} must be .* <= 2147483647, got {bad}"):
             plan_decode(table, 8, 8, 128, np.float16, num_sms=132, **{arg: bad})
     plan = plan_decode(table, 8, 8, 128, np.float16, num_sms=132, **{arg: 2**31 - 1})
-    assert plan.pages_per_chunk == fits and plan.request_chunks.tolist() == [1, 1]
+    assert plan.pages_per_chunk == 2**31 - 1 and plan.request_chunks.tolist() == [1, 1]
 
 
 def test_fp8_plans_count_three_ctas_per_sm_and_their_own_constants():

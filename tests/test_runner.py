@@ -67,6 +67,40 @@ def test_runner_matches_reference_over_changing_batches():
         assert np.isnan(out[batch:].get()).all(), "rows past the batch were written"
 
 
+def test_runner_holds_its_plan_while_requests_grow():
+    """A steady batch whose unsplit requests grow by one token a step, across
+    page boundaries, keeps the runner's own plan (plan.matches holds: an
+    unsplit request's chunk is the plan's cap), and every step still matches
+    float64: the kernel clips a chunk to its request. A join re-plans."""
+    cp = _cp()
+    rng = np.random.default_rng(11)
+    k, v, k_h, v_h = _pool(rng, 6000)
+    lens = np.array([20000, 31, 300, 1000, 15, 2047])  # the first split (held fixed); the rest grow
+    need = -(-(lens + 8) // P)
+    pool = rng.permutation(6000).astype(np.int32)
+    own = np.split(pool[: int(need.sum())], np.cumsum(need)[:-1])
+
+    def table_of(lens):
+        ids = np.concatenate([o[: -(-n // P)] for o, n in zip(own, lens)])
+        return cupaged.PageTable.from_seq_lens(lens.astype(np.int32), P, page_ids=ids)
+
+    runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=8, max_pages=6000)
+    first = runner.plan(table_of(lens))
+    assert first.request_chunks[0] > 1 and first.request_chunks[1] == first.request_chunks[4] == 1
+    for step in range(1, 9):
+        table = table_of(lens + np.r_[0, [step] * 5])  # 31 -> 39, 15 -> 23, 2047 -> 2055: new pages
+        assert runner.plan(table) is first, "requests that grew within their chunks re-planned"
+        q_h = make_query(rng, 8, HQ, D, F16)
+        out = cp.full((8, HQ, D), np.nan, dtype=cp.float16)
+        lse = cp.full((8, HQ), np.nan, dtype=cp.float32)
+        runner.run(cp.asarray(q_h), k, v, out=out, lse=lse)
+        cp.cuda.runtime.deviceSynchronize()
+        _check_rows(out, lse, q_h, k_h, v_h, table)
+    joined = cupaged.PageTable.from_seq_lens([*table.seq_lens.tolist(), 5], P,
+                                             page_ids=np.concatenate([table.indices, pool[-1:]]))
+    assert runner.plan(joined) is not first
+
+
 def test_one_graph_serves_later_tables_and_batch_sizes():
     """append_kv + decode for 3 layers captured once at batch 3, replayed for
     batches of 1 to 48 requests over other pages."""

@@ -130,6 +130,7 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
                                                              -(-MIN_CHUNK_TOKENS // page_size), costs)
     if c is None:
         chunk_pages, req_chunks = ref_split_pages(pages, max_pages_per_chunk)
+        chunk_pages = np.where(req_chunks == 1, max_pages_per_chunk, chunk_pages)  # unsplit: the cap
     else:
         req_chunks = np.maximum(1, -((-pages) // c))
         chunk_pages = np.full(batch, c, dtype=np.int64)
