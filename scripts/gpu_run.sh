@@ -3,7 +3,7 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec windows pdl suite_ab precompile headdims
+#        ncu_sectors variants spec windows pdl pdl_dims suite_ab precompile headdims
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
@@ -72,6 +72,9 @@ steps:
               env AB_KV (fp16 or fp8), cells env AB_CELLS
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
+  pdl_dims    programmatic dependent launch on and off (CUPAGED_PDL=1/0, alternated, two rounds)
+              at head_dim 64, 80, 96, 128, 192 and 256, fp16, four uniform cells each
+              (ab_trees.py); B/A > 1 where PDL is slower
   headdims    head_dim 80 and 192 (issue 19): their GPU tests, memcheck, the driver's occupancy
               against the planner's, and v2 (with gather, and FlashInfer where installed, not at 80)
               at 80/128/192, fp8 at 128/192
@@ -179,6 +182,13 @@ for s in $steps; do case $s in
     done; done
     sort -k3,3 -k4,4 -k1,1 "$work/variants.log" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
+  pdl_dims)  # PDL per head dim: head_dim 64 lost 14-30 % with it (2026-12-02); which dims win?
+    cells=$(for d in 64 80 96 128 192 256; do for c in 8x1024 8x8192 32x8192 128x4096; do printf '%sx16x32x8x%s ' "$c" "$d"; done; done)
+    for r in 1 2; do for pdl in 1 0; do
+      run "pdl${pdl}_$r" 150 "CUPAGED_PDL=$pdl python3 scripts/ab_trees.py --label pdl$pdl --cells $cells --csv $work/pdl${pdl}_$r.csv"
+    done; done
+    run pdl_compare 30 "python3 scripts/ab_trees.py --compare $work/pdl0_*.csv -- $work/pdl1_*.csv"
+    cat "$work/pdl_compare.log" ;;
   headdims)  # issue 19's head dims 80 and 192: GPU tests, memcheck, the driver's occupancy and a v2 benchmark
     run headdim_tests 200 "python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_features_gpu.py tests/test_multi_token.py -k '80 or 192'"
     run memcheck_headdims 200 "compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_decode.py tests/test_multi_token.py -k '80 or 192'"
