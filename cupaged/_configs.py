@@ -92,8 +92,8 @@ PDL: bool = _env.pdl()
 
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
 # name -> (C++ enumerator, threads per CTA, dtypes, head dims it serves).
-# Tensor cores for 16-bit KV up to head_dim 128 (at 256 the accumulators no
-# longer fit in registers); CUDA cores for everything, float32 included (tf32
+# Tensor cores for 16-bit KV up to head_dim 192 (MMA_HEAD_DIMS; at 256 the
+# accumulators no longer fit in registers); CUDA cores for everything, float32 included (tf32
 # would break its 1e-5 tolerance). Dispatch prefers the first core listed in
 # CORE_PREFERENCE that serves the call (env CUPAGED_CORE overrides).
 # A core's dtypes are module variants (see variant()): "float16+float8_e4m3fn"
