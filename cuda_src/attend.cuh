@@ -159,154 +159,141 @@ __device__ __forceinline__ void for_each_page_window(const int* __restrict__ req
   }
 }
 
-// Attends query heads [0, HEADS) at q (head stride stride_q_head) over the
-// visible slots [slot_begin, slot_end) of one request; a slot s lives in page
-// req_pages[s / page_size] at entry s % page_size. Calls
-// emit.finish(h, d, float4 o, lse) for every 4 output elements of head h (o
-// normalized by the softmax denominator, lse its log2).
-// An empty range emits zeros and -inf. Must be called by all NUM_THREADS threads.
-//
-// K/V move global -> shared with cp.async, STAGES - 1 tiles ahead of the
-// compute, so each lane keeps several 16-byte loads in flight without
-// holding them in registers.
-template <typename T, int HEAD_DIM, int HEADS, typename Emit>
-__device__ __forceinline__ void cta_attend(
-    const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
-    const T* __restrict__ k_cache, CacheStrides ks,
-    const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
-    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
-    AttendScratch<T, HEAD_DIM, HEADS>& sm, Emit& emit) {
+// The pieces of cta_attend below (the CUDA-core core). A lane holds EPT
+// elements of one head_dim row (Map) for each of the CTA's HEADS query
+// heads; lane group `group` of a warp takes one token of each tile row.
+
+// q's rows, scaled by the softmax scale (idle lanes hold zeros).
+template <typename T, int HEAD_DIM, int HEADS>
+__device__ __forceinline__ void simt_load_q(const T* __restrict__ q, long long stride_q_head, float scale, int li,
+                                            bool active, float (&qf)[HEADS][RowMap<T, HEAD_DIM, HEADS>::EPT]) {
   using Map = RowMap<T, HEAD_DIM, HEADS>;
-  using S = Storage<T>;
-  constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
-  constexpr int ACTIVE = Map::ACTIVE;
-  constexpr int UNROLL = Map::UNROLL;
-  constexpr int STAGES = Pipeline<T, HEAD_DIM, HEADS>::STAGES;
-  constexpr int TILE = NUM_WARPS * GPW * UNROLL;
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int group = lane / TPR, li = lane % TPR;
-  const bool active = ACTIVE == TPR || li < ACTIVE;  // idle lanes (li >= ACTIVE) hold zeros
-
-  float qf[HEADS][EPT];
+  constexpr int VEC = Map::VEC, VPT = Map::VPT;
 #pragma unroll
   for (int h = 0; h < HEADS; ++h)
 #pragma unroll
     for (int v = 0; v < VPT; ++v) {
       if (active) {
-        S::unpack(load_vec(q + h * stride_q_head + Map::dim(li, v)), &qf[h][v * VEC]);
+        Storage<T>::unpack(load_vec(q + h * stride_q_head + Map::dim(li, v)), &qf[h][v * VEC]);
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] = 0.f;
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] *= sc.scale;
+      for (int e = 0; e < VEC; ++e) qf[h][v * VEC + e] *= scale;
     }
+}
 
-  float m[HEADS], l[HEADS], acc[HEADS][EPT];
+// Copies one tile of K/V into its ring stage with cp.async (zero-filled past
+// s1 and in idle lanes). `tile0`: the tile's first slot; the window's page
+// ids are in page_ids (page p at p - win).
+template <typename T, int HEAD_DIM, int HEADS, typename Stage>
+__device__ __forceinline__ void simt_copy_tile(Stage& stage, int tid, int tile0, int lane_offset, int s1, bool active,
+                                               const int* page_ids, int win, int page_size,
+                                               const T* __restrict__ k_cache, CacheStrides ks, long long k_head,
+                                               const T* __restrict__ v_cache, CacheStrides vs, long long v_head) {
+  using Map = RowMap<T, HEAD_DIM, HEADS>;
+  constexpr int VEC = Map::VEC, VPT = Map::VPT, GPW = Map::GPW, ACTIVE = Map::ACTIVE;
+#pragma unroll
+  for (int u = 0; u < Map::UNROLL; ++u) {
+    const int pos = tile0 + u * NUM_WARPS * GPW + lane_offset;
+    const bool valid = active && pos < s1;
+    const T* kp = k_cache;
+    const T* vp = v_cache;
+    if (valid) {
+      const int p = pos / page_size;
+      const int slot = pos - p * page_size;
+      const long long page = page_ids[p - win];
+      kp = k_cache + page * ks.page + slot * ks.token + k_head;
+      vp = v_cache + page * vs.page + slot * vs.token + v_head;
+    }
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) {
+      cp_async_16(&stage[u][v][0][tid], kp + v * ACTIVE * VEC, valid);
+      cp_async_16(&stage[u][v][1][tid], vp + v * ACTIVE * VEC, valid);
+    }
+  }
+}
+
+// One landed tile of the ring (UNROLL tokens per lane group): scores, one
+// online-softmax rescale per tile and head, and P.V into acc. `tile0`: the
+// tile's first slot; `lane_offset`: this lane group's token in a tile row.
+template <typename T, int HEAD_DIM, int HEADS, typename Stage>
+__device__ __forceinline__ void simt_attend_tile(const Stage& stage, int tid, int tile0, int lane_offset, int s1,
+                                                 ScoreMap sc,
+                                                 const float (&qf)[HEADS][RowMap<T, HEAD_DIM, HEADS>::EPT],
+                                                 float (&m)[HEADS], float (&l)[HEADS],
+                                                 float (&acc)[HEADS][RowMap<T, HEAD_DIM, HEADS>::EPT]) {
+  using Map = RowMap<T, HEAD_DIM, HEADS>;
+  using S = Storage<T>;
+  constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
+  constexpr int UNROLL = Map::UNROLL;
+  float s[UNROLL][HEADS];
+  bool valid[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    valid[u] = tile0 + u * NUM_WARPS * GPW + lane_offset < s1;
+    float kf[EPT];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) S::unpack(stage[u][v][0][tid], &kf[v * VEC]);
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) dot = fmaf(qf[h][e], kf[e], dot);
+      s[u][h] = group_sum<TPR>(dot);
+    }
+  }
+  if (sc.soft_cap > 0.f) {  // uniform: one branch per tile, not per score
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int h = 0; h < HEADS; ++h) s[u][h] = sc.cap(s[u][h]);
+  }
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) s[u][h] = valid[u] ? s[u][h] : neg_inf();
+
+  // One rescale per tile and head, not per token.
+  float p[UNROLL][HEADS];
 #pragma unroll
   for (int h = 0; h < HEADS; ++h) {
-    m[h] = neg_inf();
-    l[h] = 0.f;
+    float m_new = m[h];
 #pragma unroll
-    for (int e = 0; e < EPT; ++e) acc[h][e] = 0.f;
+    for (int u = 0; u < UNROLL; ++u) m_new = fmaxf(m_new, s[u][h]);
+    const float m_safe = m_new == neg_inf() ? 0.f : m_new;  // avoids -inf - -inf
+    // The running max grows O(log n) times over n random tokens: rescale
+    // only when some lane of the warp saw it grow (a warp-uniform branch).
+    if (__any_sync(0xffffffffu, m_new > m[h])) {
+      const float alpha = fast_exp2(m[h] - m_safe);
+      l[h] *= alpha;
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) acc[h][e] *= alpha;
+    }
+    m[h] = m_new;
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      p[u][h] = fast_exp2(s[u][h] - m_safe);
+      l[h] += p[u][h];
+    }
   }
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    float vf[EPT];
+#pragma unroll
+    for (int v = 0; v < VPT; ++v) S::unpack(stage[u][v][1][tid], &vf[v * VEC]);
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h)
+#pragma unroll
+      for (int e = 0; e < EPT; ++e) acc[h][e] = fmaf(p[u][h], vf[e], acc[h][e]);
+  }
+}
 
-  const long long k_head = (long long)kv_head * ks.head + (active ? Map::dim(li, 0) : 0);
-  const long long v_head = (long long)kv_head * vs.head + (active ? Map::dim(li, 0) : 0);
-  const int lane_offset = warp * GPW + group;  // this lane's token within a tile row
-
-  for_each_page_window<NUM_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
-                                    [&](int win, int s0, int s1) {
-    const int n_iter = (s1 - s0 + TILE - 1) / TILE;
-    // Copies tile `it` into its ring stage (zero-filled past s1).
-    auto copy = [&](int stage, int it) {
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int pos = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset;
-        const bool valid = active && pos < s1;
-        const T* kp = k_cache;
-        const T* vp = v_cache;
-        if (valid) {
-          const int p = pos / page_size;
-          const int slot = pos - p * page_size;
-          const long long page = sm.page_ids[p - win];
-          kp = k_cache + page * ks.page + slot * ks.token + k_head;
-          vp = v_cache + page * vs.page + slot * vs.token + v_head;
-        }
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) {
-          cp_async_16(&sm.ring[stage][u][v][0][tid], kp + v * ACTIVE * VEC, valid);
-          cp_async_16(&sm.ring[stage][u][v][1][tid], vp + v * ACTIVE * VEC, valid);
-        }
-      }
-    };
-    auto consume = [&](int stage, int it) {
-      float s[UNROLL][HEADS];
-      bool valid[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        valid[u] = s0 + it * TILE + u * NUM_WARPS * GPW + lane_offset < s1;
-        float kf[EPT];
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) S::unpack(sm.ring[stage][u][v][0][tid], &kf[v * VEC]);
-#pragma unroll
-        for (int h = 0; h < HEADS; ++h) {
-          float dot = 0.f;
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) dot = fmaf(qf[h][e], kf[e], dot);
-          s[u][h] = group_sum<TPR>(dot);
-        }
-      }
-      if (sc.soft_cap > 0.f) {  // uniform: one branch per tile, not per score
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-          for (int h = 0; h < HEADS; ++h) s[u][h] = sc.cap(s[u][h]);
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-        for (int h = 0; h < HEADS; ++h) s[u][h] = valid[u] ? s[u][h] : neg_inf();
-
-      // One rescale per tile and head, not per token.
-      float p[UNROLL][HEADS];
-#pragma unroll
-      for (int h = 0; h < HEADS; ++h) {
-        float m_new = m[h];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) m_new = fmaxf(m_new, s[u][h]);
-        const float m_safe = m_new == neg_inf() ? 0.f : m_new;  // avoids -inf - -inf
-        // The running max grows O(log n) times over n random tokens: rescale
-        // only when some lane of the warp saw it grow (a warp-uniform branch).
-        if (__any_sync(0xffffffffu, m_new > m[h])) {
-          const float alpha = fast_exp2(m[h] - m_safe);
-          l[h] *= alpha;
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) acc[h][e] *= alpha;
-        }
-        m[h] = m_new;
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-          p[u][h] = fast_exp2(s[u][h] - m_safe);
-          l[h] += p[u][h];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        float vf[EPT];
-#pragma unroll
-        for (int v = 0; v < VPT; ++v) S::unpack(sm.ring[stage][u][v][1][tid], &vf[v * VEC]);
-#pragma unroll
-        for (int h = 0; h < HEADS; ++h)
-#pragma unroll
-          for (int e = 0; e < EPT; ++e) acc[h][e] = fmaf(p[u][h], vf[e], acc[h][e]);
-      }
-    };
-    cp_async_ring<STAGES, false>(n_iter, copy, consume);
-  });
-
-  // Combine the lane groups of this warp (same dims, different tokens).
+// Combines the lane groups of a warp (same dims, different tokens) into
+// every group's registers.
+template <int TPR, int HEADS, int EPT>
+__device__ __forceinline__ void simt_merge_lane_groups(float (&m)[HEADS], float (&l)[HEADS], float (&acc)[HEADS][EPT]) {
 #pragma unroll
   for (int off = TPR; off < 32; off <<= 1) {
 #pragma unroll
@@ -325,8 +312,68 @@ __device__ __forceinline__ void cta_attend(
       }
     }
   }
+}
 
+// Attends query heads [0, HEADS) at q (head stride stride_q_head) over the
+// visible slots [slot_begin, slot_end) of one request; a slot s lives in page
+// req_pages[s / page_size] at entry s % page_size. Calls
+// emit.finish(h, d, float4 o, lse) for every 4 output elements of head h (o
+// normalized by the softmax denominator, lse its log2).
+// An empty range emits zeros and -inf. Must be called by all NUM_THREADS threads.
+//
+// K/V move global -> shared with cp.async, STAGES - 1 tiles ahead of the
+// compute, so each lane keeps several 16-byte loads in flight without
+// holding them in registers.
+template <typename T, int HEAD_DIM, int HEADS, typename Emit>
+__device__ __forceinline__ void cta_attend(
+    const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
+    const T* __restrict__ k_cache, CacheStrides ks,
+    const T* __restrict__ v_cache, CacheStrides vs, int kv_head,
+    const int* __restrict__ req_pages, int page_size, int slot_begin, int slot_end,
+    AttendScratch<T, HEAD_DIM, HEADS>& sm, Emit& emit) {
+  using Map = RowMap<T, HEAD_DIM, HEADS>;
+  constexpr int VEC = Map::VEC, TPR = Map::TPR, VPT = Map::VPT, GPW = Map::GPW, EPT = Map::EPT;
+  constexpr int ACTIVE = Map::ACTIVE;
+  constexpr int UNROLL = Map::UNROLL;
+  constexpr int STAGES = Pipeline<T, HEAD_DIM, HEADS>::STAGES;
+  constexpr int TILE = NUM_WARPS * GPW * UNROLL;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int group = lane / TPR, li = lane % TPR;
+  const bool active = ACTIVE == TPR || li < ACTIVE;  // idle lanes (li >= ACTIVE) hold zeros
+
+  float qf[HEADS][EPT];
+  simt_load_q<T, HEAD_DIM, HEADS>(q, stride_q_head, sc.scale, li, active, qf);
+  float m[HEADS], l[HEADS], acc[HEADS][EPT];
+#pragma unroll
+  for (int h = 0; h < HEADS; ++h) {
+    m[h] = neg_inf();
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < EPT; ++e) acc[h][e] = 0.f;
+  }
+
+  const long long k_head = (long long)kv_head * ks.head + (active ? Map::dim(li, 0) : 0);
+  const long long v_head = (long long)kv_head * vs.head + (active ? Map::dim(li, 0) : 0);
+  const int lane_offset = warp * GPW + group;  // this lane's token within a tile row
+
+  for_each_page_window<NUM_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
+                                    [&](int win, int s0, int s1) {
+    const int n_iter = (s1 - s0 + TILE - 1) / TILE;
+    auto copy = [&](int stage, int it) {
+      simt_copy_tile<T, HEAD_DIM, HEADS>(sm.ring[stage], tid, s0 + it * TILE, lane_offset, s1, active,
+                                         sm.page_ids, win, page_size, k_cache, ks, k_head, v_cache, vs, v_head);
+    };
+    auto consume = [&](int stage, int it) {
+      simt_attend_tile<T, HEAD_DIM, HEADS>(sm.ring[stage], tid, s0 + it * TILE, lane_offset, s1, sc, qf, m, l, acc);
+    };
+    cp_async_ring<STAGES, false>(n_iter, copy, consume);
+  });
+
+  simt_merge_lane_groups<TPR, HEADS, EPT>(m, l, acc);
   __syncthreads();  // every lane is done with the ring before it becomes the combine buffer
+  // (inline: as a function of its own, this store compiled the rows family's
+  // 2-head instances to other machine code, scripts/sass_hash.py)
   if (group == 0 && active) {
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
@@ -344,7 +391,6 @@ __device__ __forceinline__ void cta_attend(
     }
   }
   __syncthreads();
-
   emit_combined<NUM_WARPS, NUM_THREADS>(sm.combine, sc.out_scale, emit);
 }
 

@@ -33,10 +33,13 @@ NULL_PTR = np.uint64(0)  # a null pointer argument of a RawKernel call (v1, merg
 THREADS = 128  # NUM_THREADS / MERGE_THREADS in cuda_src (v1, merge)
 
 
-def elem_strides(a, ndim: int) -> tuple:
-    """The first ``ndim`` strides of ``a`` in elements, as int64 kernel arguments."""
+def elem_strides(a, axes: int | tuple[int, ...]) -> tuple:
+    """Strides of ``a`` in elements, as int64 kernel arguments: of its first
+    ``axes`` axes (an int), or of the axes listed (a tuple; append_kv's
+    caches in either layout)."""
     isz = a.itemsize
-    return tuple(np.int64(s // isz) for s in a.strides[:ndim])
+    strides = a.strides[:axes] if isinstance(axes, int) else [a.strides[ax] for ax in axes]
+    return tuple(np.int64(s // isz) for s in strides)
 
 
 class LaunchAttribute(ctypes.Structure):

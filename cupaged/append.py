@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _configs, _loader
+from ._launch import elem_strides
 from ._typing import DeviceArray, IndexArray, Scale
 from ._device import require_gpu
 from ._arrays import as_cupy as _as_cupy
@@ -513,11 +514,6 @@ def _check_append_indptr(append_indptr, batch: int, tokens: int, seq_lens: np.nd
 
 
 # --------------------------------------------------------------------------- launch
-def _elem_strides(a, axes) -> tuple:
-    isz = a.itemsize
-    return tuple(np.int64(a.strides[ax] // isz) for ax in axes)
-
-
 def _per_head(scale, num_kv_heads: int):
     """A float as it is; a scale array as a contiguous [num_kv_heads] one
     (a [1] array is repeated, a strided one copied: device work, no sync)."""
@@ -549,8 +545,8 @@ def launch_append(k_new, v_new, k_cache, v_cache, table: PageTable, kv_layout: s
     items = tokens * num_kv_heads * launch.chunks
     kernel(
         (-(-items // _THREADS), 1, 1), (_THREADS, 1, 1),
-        (k_new, *_elem_strides(k_new, (0, 1)), v_new, *_elem_strides(v_new, (0, 1)),
-         k_cache, *_elem_strides(k_cache, cache_axes), v_cache, *_elem_strides(v_cache, cache_axes),
+        (k_new, *elem_strides(k_new, (0, 1)), v_new, *elem_strides(v_new, (0, 1)),
+         k_cache, *elem_strides(k_cache, cache_axes), v_cache, *elem_strides(v_cache, cache_axes),
          *table_args, _NULL if append_indptr is None else append_indptr, np.int32(table.batch_size),
          device_batch, np.int32(tokens), np.int32(num_kv_heads), np.int32(k_new.shape[2]), np.int32(table.page_size),
          _NULL if isinstance(k_scale, float) else k_scale, _NULL if isinstance(v_scale, float) else v_scale,

@@ -106,3 +106,17 @@ def test_plan_image_layout():
     for r, c, lo, hi in got.tolist():
         j = c - plan.o_indptr[r]
         assert plan.chunk_request[c] == r and lo == j * 4 and hi == lo + 4
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.uint8])
+def test_elem_strides_of_leading_or_listed_axes(dtype):
+    """The kernels' int64 element strides (decode, merge and append_kv share
+    one helper): of the first n axes, or of the axes listed (append_kv's NHD
+    and HND cache orders), of strided views, equal to strides // itemsize."""
+    base = np.zeros((5, 16, 8, 128), dtype=dtype)
+    for a in (base, base[:, :, 2:6], base[::2, 1:], base.transpose(0, 2, 1, 3)):
+        want = [s // a.itemsize for s in a.strides]
+        assert _launch.elem_strides(a, 2) == tuple(want[:2])
+        for axes in ((0, 1), (0, 1, 2), (0, 2, 1)):
+            got = _launch.elem_strides(a, axes)
+            assert got == tuple(want[ax] for ax in axes) and all(type(x) is np.int64 for x in got)
