@@ -566,13 +566,32 @@ class DecodePlan:
             return False
         if int(table.page_size) != self.page_size:
             return False
-        pages = np.asarray(table.request_pages, dtype=np.int64)
+        pages = np.asarray(table.request_pages)
         if self.group_last is not None:
             if not rows_form_groups(table, self.group_last):
                 return False
             pages = pages[self.group_last]
-        counts = _chunks_per_request(pages, self.request_chunk_pages)
-        return bool(np.array_equal(counts, self.request_chunks))
+        # request i keeps its chunk count exactly while its pages stay in
+        # [base_i, base_i + width_i): one subtraction and one unsigned compare
+        # (~3 µs at batch 128, against ~8 for recounting every request's chunks)
+        base, width = self._match_range()
+        return bool(np.all((pages - base).view(np.uint64) < width))
+
+    def _match_range(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(base, width)`` int64/uint64 ``[B]`` of :meth:`matches`: the page
+        counts that give request ``i`` its ``request_chunks[i]`` chunks of
+        ``request_chunk_pages[i]`` pages (``max(1, ceil(p / c))``): ``[0, c]``
+        for one chunk, ``[(n - 1) c + 1, n c]`` for n; none for n < 1.
+        Computed once per plan (plans are immutable)."""
+        cached = self.__dict__.get("_matches_range")
+        if cached is None:
+            n = self.request_chunks.astype(np.int64)
+            c = self.request_chunk_pages.astype(np.int64)
+            base = np.where(n == 1, 0, (n - 1) * c + 1)
+            width = np.where(n >= 1, n * c - base + 1, 0).astype(np.uint64)
+            cached = (base, width)
+            self.__dict__["_matches_range"] = cached  # (a race computes the same value twice)
+        return cached
 
     # -- geometry helpers (tests, reference, debugging) ---------------------
     def chunk_page_ranges(self, table: Any) -> tuple[np.ndarray, np.ndarray]:

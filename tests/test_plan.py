@@ -586,6 +586,28 @@ def test_default_plan_splits_the_long_request_of_a_ragged_batch():
                        num_sms=132).pages_per_chunk == 1
 
 
+def test_plan_matches_equals_recounting_every_request():
+    """``matches`` (a per-request page range, cached per plan) says exactly
+    what recounting says: every request's max(1, ceil(p / c_i)) equals its
+    chunk count. Default, uniform, capped and deterministic plans, against
+    tables whose requests grew, shrank or emptied."""
+    rng = np.random.default_rng(21)
+    for trial in range(300):
+        pages = rng.integers(0, 400, size=int(rng.integers(1, 40)))
+        if trial % 4 == 0:
+            pages[0] = int(rng.integers(2000, 9000))
+        knobs = [{}, {"pages_per_chunk": int(rng.integers(1, 50))}, {"max_pages_per_chunk": int(rng.integers(1, 90))},
+                 {"deterministic": True}][trial % 4]
+        plan = plan_decode(table_from_pages(rng, pages), 32, 8, 128, "float16", num_sms=132, **knobs)
+        for _ in range(4):
+            grown = np.maximum(pages + rng.integers(-1, 2 if rng.random() < 0.6 else 40, size=pages.shape), 0)
+            if rng.random() < 0.3:
+                grown[int(rng.integers(len(grown)))] = 0
+            counts = np.maximum(1, -(-grown // plan.request_chunk_pages.astype(np.int64)))
+            want = bool(np.array_equal(counts, plan.request_chunks))
+            assert plan.matches(table_from_pages(rng, grown)) is want, (trial, knobs)
+
+
 def test_plan_matches_with_balanced_chunks():
     rng = np.random.default_rng(8)
     t = table_from_pages(rng, [100, 7])
