@@ -84,10 +84,12 @@ MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (7
 # (that count holds up to head_dim 128; at 192 the fp8 instances take ~200
 # registers: mma_traits)
 
-# Programmatic dependent launch of the partial kernel (on unless env
-# CUPAGED_PDL=0, read at import: the kernel's griddepcontrol instructions are
-# compiled in only then, and its launches on sm_90+ go through
-# cuLaunchKernelEx). H200: small cells in a graph of layers 4-10 % faster.
+# Programmatic dependent launch of the partial kernel's tensor-core instances
+# (on unless env CUPAGED_PDL=0, read at import: the kernel's griddepcontrol
+# instructions are compiled in only then (module_pdl), and its launches on
+# sm_90+ go through cuLaunchKernelEx with _launch.residency_smem). H200:
+# small cells in a graph of layers 4-13 % faster; the CUDA-core instances
+# lost with it (docs/benchmarks/h200-pdl-residency-2026-12-02.md).
 PDL: bool = _env.pdl()
 
 # Attention cores of the partial kernel (enum Core in paged_decode_partial.cu):
@@ -281,16 +283,36 @@ def mma_traits(variant_name: str, head_dim: int) -> MmaTraits:
     return MmaTraits(smem_kb, min(ctas, SM_SMEM_KB // (smem_kb + 1)))
 
 
+def resident_ctas(variant_name: str, head_dim: int, heads: int, core: str) -> int:
+    """CTAs per SM the planner counts for a partial-kernel instance (its
+    ``__launch_bounds__`` minimum): :func:`mma_traits` for the tensor cores,
+    3 (``heads`` <= 4) or 1 (``MinBlocks`` in attend.cuh) for the CUDA cores."""
+    if core == "mma":
+        return mma_traits(variant_name, head_dim).resident_ctas
+    return 3 if heads <= 4 else 1
+
+
 def dynamic_smem(core: str, variant_name: str, head_dim: int) -> int:
     """Bytes of dynamic shared memory a partial-kernel CTA of ``core`` takes."""
     return mma_traits(variant_name, head_dim).smem_kb * 1024 if core == "mma" else 0
 
 
-def nvrtc_defines(smem_kb: int | None = None) -> tuple[str, ...]:
+def nvrtc_defines(smem_kb: int | None = None, pdl: bool = PDL) -> tuple[str, ...]:
     """Preprocessor options that must match the launch parameters above
-    (``smem_kb``: a module's MMA shared memory, default ``MMA_SMEM_KB``)."""
+    (``smem_kb``: a module's MMA shared memory, default ``MMA_SMEM_KB``;
+    ``pdl``: its launches may use programmatic dependent launch)."""
     return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB if smem_kb is None else smem_kb}", f"-DCUPAGED_MMA_WARPS={MMA_WARPS}",
-            f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}", *(("-DCUPAGED_PDL=1",) if PDL else ()))
+            f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}", *(("-DCUPAGED_PDL=1",) if pdl else ()))
+
+
+def module_pdl(family: str, dtype: str, head_dim: int) -> bool:
+    """Whether a module is compiled for programmatic dependent launch: only
+    partial-kernel modules with tensor-core instances (whose tensor-core
+    launches use it). H200, PDL on vs off: the tensor-core instances 0-13 %
+    faster on every cell measured (with :func:`cupaged._launch.residency_smem`);
+    the CUDA-core ones up to 68 % slower (head_dim 256; group 8 at 1 planned
+    CTA per SM), so they keep the ordinary launch."""
+    return PDL and family in PARTIAL_FAMILIES and serves("mma", dtype, head_dim)
 
 
 def module_smem_kb(family: str, dtype: str, head_dim: int) -> int:

@@ -131,11 +131,12 @@ def core() -> str | None:
 
 
 def pdl() -> bool:
-    """``CUPAGED_PDL``: 1 or unset (the default) compiles the partial kernel
-    with programmatic dependent launch and, on sm_90 and newer, launches it
-    so (its CTAs may start during the previous kernel's tail and wait in
+    """``CUPAGED_PDL``: 1 or unset (the default) compiles the partial kernel's
+    modules that have tensor-core instances with programmatic dependent
+    launch and, on sm_90 and newer, launches those instances so (their CTAs
+    may start during the previous kernel's tail and wait in
     ``griddepcontrol.wait`` before touching memory that kernel may write);
-    0: the ordinary kernel and launch."""
+    0: the ordinary kernel and launch everywhere."""
     return bool(_int(PDL, 1, 0, 1))
 
 

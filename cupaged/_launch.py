@@ -180,6 +180,39 @@ def write_image(dst: np.ndarray, offsets: tuple, units: np.ndarray, plan, table)
 # ------------------------------------------------------------------ launch state
 
 
+def residency_smem(function: int, threads: int, smem: int) -> tuple[int, ...]:
+    """Dynamic shared memory (bytes) per CTA at which an SM holds at most k
+    CTAs of ``function``, for k = 0 .. what ``smem`` lets fit (entries 0
+    and 1 are the same; the last is ``smem`` itself). Raises the function's
+    dynamic shared memory limit to the largest entry.
+
+    Why: with programmatic dependent launch the next kernel's CTAs start in
+    whatever slots this grid leaves free, so they end up unevenly spread
+    over the SMs when the registers let more CTAs fit than the planner sized
+    the grid for (H200, head_dim 64: up to 28 % slower); :meth:`PartialLaunch.launch`
+    passes the entry for its grid."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    def fits(nbytes: int) -> int:
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(function, threads, nbytes)
+
+    most = fits(smem)
+    rt, dev = cupy.cuda.runtime, cupy.cuda.runtime.getDevice()
+    per_sm = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev)
+    per_cta = rt.deviceGetAttribute(rt.cudaDevAttrReservedSharedMemoryPerBlock, dev)
+    static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function)
+    limit = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) - static
+    # k + 1 CTAs no longer fit (rounded up to whole KB)
+    padded = [max(smem, -(-(per_sm // (k + 1) - per_cta - static + 1) // 1024) * 1024) for k in range(1, most)]
+    if not padded or padded[0] > limit:
+        return (smem,) * (most + 1)
+    if padded[0] > driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, function):
+        driver.funcSetAttribute(function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, padded[0])
+    table = [b if fits(b) == k else smem for k, b in enumerate(padded, 1)] + [smem]
+    return (table[0], *table)
+
+
 class PartialLaunch:
     """One device's and one stream's launch state of the partial kernel for
     one shape (heads, head_dim, dtype pair, heads per CTA), sized for
@@ -211,9 +244,16 @@ class PartialLaunch:
         self.kernel = _loader.get_kernel(family, variant, head_dim, index)
         self.function = self.kernel.kernel.ptr  # CUfunction on this device (compiles on first use)
         self.smem = _configs.dynamic_smem(self.core, variant, head_dim)
-        if self.smem:  # opt-in: static + dynamic may exceed the default 48 KB
-            driver.funcSetAttribute(self.function, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.smem)
+        limit = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES  # opt-in: static + dynamic may exceed 48 KB
+        if self.smem > driver.funcGetAttribute(limit, self.function):  # (never lowered: another state's may be higher)
+            driver.funcSetAttribute(self.function, limit, self.smem)
         self.block = threads
+        self.pdl = (_configs.module_pdl(family, variant, head_dim) and self.core == "mma"
+                    and int(cupy.cuda.Device().compute_capability) >= 90)  # griddepcontrol: sm_90+
+        # the grid's CTAs per SM: at most the planner's count, and no more than spreads the grid evenly
+        self._sms = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, self.device)
+        table = residency_smem(self.function, threads, self.smem) if self.pdl else (self.smem,)
+        self._smem_at = table[:_configs.resident_ctas(variant, head_dim, heads_per_cta, self.core) + 1]
         self._alloc(max_batch, max_units, max_pages, num_qo_heads)
         p = self.params = PartialParams()
         p.heads_groups, p.page_size, p.num_qo_heads, p.group_size, p.q_groups = (
@@ -230,7 +270,6 @@ class PartialLaunch:
         # states are keyed by their plan and must not keep it alive)
         self.units = None  # the image's unit count
         self._current_stream = cupy.cuda.get_current_stream
-        self.pdl = _configs.PDL and int(cupy.cuda.Device().compute_capability) >= 90  # griddepcontrol: sm_90+
         self._launch = ExLauncher() if self.pdl else driver.launchKernel
         self._memcpy = cupy.cuda.runtime.memcpyAsync
 
@@ -302,13 +341,20 @@ class PartialLaunch:
     def launch(self, units: int) -> None:
         """Launches ``units * heads_groups`` CTAs on the current stream with
         the parameters as set."""
-        self._launch(self.function, units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem,
+        ctas = units * self.heads_groups
+        self._launch(self.function, ctas, 1, 1, self.block, 1, 1, self._smem_for(ctas),
                      self._current_stream().ptr, self.params_ptr, 0)
+
+    def _smem_for(self, ctas: int) -> int:
+        """The dynamic shared memory a grid of ``ctas`` CTAs launches with
+        (see :func:`residency_smem`)."""
+        at = self._smem_at
+        return at[min(-(-ctas // self._sms), len(at) - 1)]
 
     def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int | None, stream: int) -> None:
         """Launches the image's units on ``stream`` with new array pointers,
         everything else as last set."""
         w = self._words
         w[_W_Q], w[_W_K], w[_W_V], w[_W_OUT], w[_W_LSE] = q, k, v, out, lse or 0
-        self._launch(self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1, self.smem, stream,
-                     self.params_ptr, 0)
+        ctas = self.units * self.heads_groups
+        self._launch(self.function, ctas, 1, 1, self.block, 1, 1, self._smem_for(ctas), stream, self.params_ptr, 0)

@@ -309,9 +309,7 @@ def _resident_ctas(variant: str, head_dim: int, heads: int, requested: str | Non
         core = _configs.choose_core(variant, head_dim, requested)
     except ValueError:
         return CTAS_PER_SM
-    if core == "mma":
-        return _configs.mma_traits(variant, head_dim).resident_ctas
-    return 3 if heads <= 4 else 1
+    return _configs.resident_ctas(variant, head_dim, heads, core)
 
 
 def deterministic_pages_per_chunk(page_size: int) -> int:

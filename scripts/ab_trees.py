@@ -41,7 +41,7 @@ CELLS = tuple(f"{b}x{c}" for b in (1, 4, 8, 32, 128) for c in (1024, 4096, 16384
 def parse_cell(text: str) -> tuple:
     parts = text.lower().split("x")
     dtype = "float16"
-    if parts and parts[-1] in ("float16", "bfloat16"):
+    if parts and parts[-1] in ("float16", "bfloat16", "float32"):
         dtype = parts.pop()
     try:
         nums = [int(v) for v in parts]

@@ -42,6 +42,17 @@ def test_env_pdl_rejects_other_values(monkeypatch):
         _env.pdl()
 
 
+def test_pdl_only_for_modules_with_tensor_core_instances():
+    pdl = _configs.PDL
+    assert _configs.module_pdl("partial", "float16", 128) is pdl
+    assert _configs.module_pdl("rows", "bfloat16+float8_e4m3fn", 64) is pdl
+    assert _configs.module_pdl("partial", "float16", 64) is pdl
+    # CUDA cores only: PDL made them slower (docs/benchmarks/h200-pdl-residency-2026-12-02.md)
+    assert not _configs.module_pdl("partial", "float32", 128)
+    assert not _configs.module_pdl("partial", "float16", 256)
+    assert not any(_configs.module_pdl(family, "float16", 128) for family in ("v1", "merge", "append"))
+
+
 def _count_pdl_launches(monkeypatch) -> list:
     calls = []
     real = _launch.ExLauncher.__call__
@@ -113,3 +124,33 @@ def test_runner_graph_with_pdl(monkeypatch):
     with cp.cuda.Stream(non_blocking=True):
         test_runner._graph_case(cp)
     assert launches  # the runner's launches went through cuLaunchKernelEx
+
+
+@pytest.mark.gpu
+@needs_pdl
+def test_launches_hold_each_sm_to_the_planned_ctas():
+    """The head_dim-64 tensor-core instance fits 3 CTAs per SM where the
+    planner counts 2: its launch state's shared memory table holds an SM to
+    k CTAs (the driver's occupancy query says exactly k), and a grid never
+    launches with more per SM than the planner's count or than spreads it
+    evenly. The CUDA-core states launch without PDL or padding."""
+    import cupy as cp
+    from cupy_backends.cuda.api import driver
+
+    _require_sm90()
+    state = _launch.PartialLaunch("float16", 32, 8, 64, 4, 16, 4, 4, 16)
+    assert state.pdl and state.core == "mma"
+
+    def per_sm(smem: int) -> int:
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(state.function, state.block, smem)
+
+    planned = _configs.resident_ctas("float16", 64, 4, "mma")
+    table = _launch.residency_smem(state.function, state.block, state.smem)
+    assert table[-1] == state.smem and per_sm(state.smem) == len(table) - 1
+    assert [per_sm(b) for b in table[1:]] == list(range(1, len(table)))
+    sms = cp.cuda.runtime.deviceGetAttribute(cp.cuda.runtime.cudaDevAttrMultiProcessorCount, state.device)
+    for ctas in (1, sms, sms + 1, 2 * sms, 10 * sms):
+        assert per_sm(state._smem_for(ctas)) == min(planned, -(-ctas // sms), len(table) - 1)
+
+    simt = _launch.PartialLaunch("float32", 32, 8, 128, 4, 16, 4, 4, 16)
+    assert not simt.pdl and not isinstance(simt._launch, _launch.ExLauncher) and simt._smem_for(10 * sms) == 0
