@@ -3,7 +3,7 @@
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
 #        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
-#        ncu_sectors variants spec windows pdl pdl_dims suite_ab precompile headdims
+#        ncu_sectors variants spec windows pdl pdl_dims pdl_ab suite_ab precompile headdims
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
 #  variant trees named in AB_TREES;
@@ -75,6 +75,9 @@ steps:
   pdl_dims    programmatic dependent launch on and off (CUPAGED_PDL=1/0, alternated, two rounds)
               at head_dim 64, 80, 96, 128, 192 and 256, fp16, four uniform cells each
               (ab_trees.py); B/A > 1 where PDL is slower
+  pdl_ab      PDL off (A) against the default (B) on tensor-core (head_dim 64/128) and
+              CUDA-core (head_dim 256, group 8, float32) cells, two interleaved rounds
+              (docs/benchmarks/h200-pdl-residency-2026-12-02.md)
   headdims    head_dim 80 and 192 (issue 19): their GPU tests, memcheck, the driver's occupancy
               against the planner's, and v2 (with gather, and FlashInfer where installed, not at 80)
               at 80/128/192, fp8 at 128/192
@@ -182,6 +185,15 @@ for s in $steps; do case $s in
     done; done
     sort -k3,3 -k4,4 -k1,1 "$work/variants.log" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;
+  pdl_ab)  # the residency cap's A/B (2026-12-02): PDL off vs the default, both cores
+    cells="$(for d in 64 256; do for c in 8x1024 8x8192 32x8192 128x4096; do printf '%sx16x32x8x%s ' "$c" "$d"; done; done)"
+    cells="$cells 8x1024 8x8192 128x4096 32x8192x16x64x8x256 32x4096x16x64x8x128xfloat32 8x1024x16x32x8x128xfloat32 128x4096x16x32x8x128xfloat32"
+    for r in 1 2; do
+      run "pdl_on_$r" 150 "python3 scripts/ab_trees.py --label cap --cells $cells --csv $work/cap_$r.csv"
+      run "pdl_off_$r" 150 "CUPAGED_PDL=0 python3 scripts/ab_trees.py --label off --cells $cells --csv $work/off_$r.csv"
+    done
+    run pdl_ab_compare 30 "python3 scripts/ab_trees.py --compare $work/off_*.csv -- $work/cap_*.csv"
+    cat "$work/pdl_ab_compare.log" ;;
   pdl_dims)  # PDL per head dim: head_dim 64 lost 14-30 % with it (2026-12-02); which dims win?
     cells=$(for d in 64 80 96 128 192 256; do for c in 8x1024 8x8192 32x8192 128x4096; do printf '%sx16x32x8x%s ' "$c" "$d"; done; done)
     for r in 1 2; do for pdl in 1 0; do
