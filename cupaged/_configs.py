@@ -308,10 +308,11 @@ def nvrtc_defines(smem_kb: int | None = None, pdl: bool = PDL) -> tuple[str, ...
 def module_pdl(family: str, dtype: str, head_dim: int) -> bool:
     """Whether a module is compiled for programmatic dependent launch: only
     partial-kernel modules with tensor-core instances (whose tensor-core
-    launches use it). H200, PDL on vs off: the tensor-core instances 0-13 %
-    faster on every cell measured (with :func:`cupaged._launch.residency_smem`);
-    the CUDA-core ones up to 68 % slower (head_dim 256; group 8 at 1 planned
-    CTA per SM), so they keep the ordinary launch."""
+    launches use it). H200, PDL on vs off: the tensor-core instances at
+    0.870-1.004x the time on the cells measured (with
+    :func:`cupaged._launch.residency_smem`); the CUDA-core ones up to 1.26x
+    (head_dim 256), and 1.68x with the cap (group 8, 1 planned CTA per SM),
+    so they keep the ordinary launch."""
     return PDL and family in PARTIAL_FAMILIES and serves("mma", dtype, head_dim)
 
 

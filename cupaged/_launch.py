@@ -10,7 +10,9 @@ and :class:`cupaged.DecodeRunner`.
   buffer whose address never changes, so a CUDA graph captured once replays
   every later plan that fits the buffer.
 * :class:`ExLauncher` launches with ``cuLaunchKernelEx`` and programmatic
-  dependent launch (sm_90+, unless env ``CUPAGED_PDL=0`` at import).
+  dependent launch (the tensor-core instances on sm_90+, unless env
+  ``CUPAGED_PDL=0`` at import); :func:`residency_smem` keeps those launches
+  to the CTAs per SM the plan counted.
 * :class:`PartialLaunch` owns, for one device and one stream, the compiled
   function, the image buffer, the merge workspace and counters, and the
   packed parameters; a launch rewrites only the fields that changed.
