@@ -53,6 +53,39 @@ def test_pdl_only_for_modules_with_tensor_core_instances():
     assert not any(_configs.module_pdl(family, "float16", 128) for family in ("v1", "merge", "append"))
 
 
+def test_launch_shared_memory_follows_the_grid():
+    """A launch of n CTAs passes the residency table's entry for
+    min(planner's count, ceil(n / SMs)) CTAs per SM (the table here is the
+    H200's head_dim-64 tensor-core one, planner's count 2)."""
+    state = object.__new__(_launch.PartialLaunch)
+    state._sms, state._smem_at = 132, (115712, 115712, 76800)
+    assert [state._smem_for(n) for n in (1, 131, 132, 133, 264, 265, 10**6)] == [115712] * 3 + [76800] * 4
+    state._smem_at = (0,)  # no PDL: the core's own dynamic shared memory, whatever the grid
+    assert state._smem_for(1) == state._smem_for(10**6) == 0
+
+
+def test_resident_ctas_is_the_planners_count():
+    """The count a launch caps its SMs at (from the kernel variant's name) is
+    the one the planner sized the grid with (from the NumPy dtypes), for
+    every partial instance: if they drifted apart, the cap would hold an SM
+    below (slower) or above (PDL's spare slots) the plan's waves."""
+    import ml_dtypes
+
+    checked = 0
+    for family, variant, head_dim in _configs.all_modules():
+        if family != "partial":
+            continue
+        q_name, kv_name = _configs.split_variant(variant)
+        q = np.dtype(ml_dtypes.bfloat16) if q_name == "bfloat16" else np.dtype(q_name)
+        kv = np.dtype(np.uint8) if kv_name == _configs.FP8 else q
+        core = _configs.choose_core(variant, head_dim)
+        for heads in _configs.HEADS_PER_CTA:
+            assert _configs.resident_ctas(variant, head_dim, heads, core) == cupaged.plan.ctas_per_sm(
+                q, kv, head_dim, heads), (variant, head_dim, heads)
+            checked += 1
+    assert checked >= 100
+
+
 def _count_pdl_launches(monkeypatch) -> list:
     calls = []
     real = _launch.ExLauncher.__call__
