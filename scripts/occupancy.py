@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Registers, spills and resident CTAs per SM of every partial-kernel
 instance, as the driver reports them, beside what the planner assumes
-(``cupaged.plan.ctas_per_sm``).
+(``cupaged.plan.ctas_per_sm``) and what a full-wave launch allows (the
+programmatic-dependent-launch instances pass ``_launch.residency_smem``'s
+entry for the planner's count; the table is listed, k = 0, 1, ...).
 
     python3 scripts/occupancy.py [--csv FILE]
 
@@ -21,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _common  # noqa: E402
 
 COLUMNS = ("variant", "head_dim", "heads", "core", "threads", "smem", "regs", "local_bytes", "driver_ctas_per_sm",
-           "planner_ctas_per_sm")
+           "planner_ctas_per_sm", "launch_ctas_per_sm", "residency_smem")
 
 
 def main(argv=None) -> int:
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
     import numpy as np
     from cupy_backends.cuda.api import driver
 
-    from cupaged import _configs, _loader
+    from cupaged import _configs, _launch, _loader
     from cupaged.plan import ctas_per_sm
 
     rows, differ = [], 0
@@ -57,7 +59,13 @@ def main(argv=None) -> int:
                 kv = np.uint8 if kv_name == _configs.FP8 else kv_name
                 planned = ctas_per_sm(np.dtype(q_name), np.dtype(kv), head_dim, heads) if core == _configs.choose_core(
                     variant, head_dim) else occ
-                row = (variant, head_dim, heads, core, threads, smem, regs, local, occ, planned)
+                # what a full-wave launch allows: PDL launches pass residency_smem's entry for the plan's count
+                pdl = _configs.module_pdl("partial", variant, head_dim) and core == "mma"
+                table = _launch.residency_smem(fn, threads, smem) if pdl else (smem,)
+                launched = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                    fn, threads, table[min(planned, len(table) - 1)])
+                row = (variant, head_dim, heads, core, threads, smem, regs, local, occ, planned, launched,
+                       "/".join(map(str, table)))
                 differ += occ != planned
                 rows.append(dict(zip(COLUMNS, row)))
                 print(" ".join(map(str, row)), flush=True)
