@@ -47,8 +47,21 @@ def _check_rows(out, lse, q_h, k_h, v_h, table, **kw):
     check_close(out[:b].get().astype(np.float64), lse[:b].get().astype(np.float64), *ref, F16)
 
 
-def test_runner_matches_reference_over_changing_batches():
+def _run_checked(runner, rng, rows, caches, table):
+    """``runner.run`` of a fresh random q into NaN-poisoned ``rows``-row out
+    and lse, checked against float64 for the table's rows; returns out."""
     cp = _cp()
+    k, v, k_h, v_h = caches
+    q_h = make_query(rng, rows, HQ, D, F16)
+    out = cp.full((rows, HQ, D), np.nan, dtype=cp.float16)
+    lse = cp.full((rows, HQ), np.nan, dtype=cp.float32)
+    runner.run(cp.asarray(q_h), k, v, out=out, lse=lse)
+    cp.cuda.runtime.deviceSynchronize()
+    _check_rows(out, lse, q_h, k_h, v_h, table)
+    return out
+
+
+def test_runner_matches_reference_over_changing_batches():
     rng = np.random.default_rng(1)
     k, v, k_h, v_h = _pool(rng, 12000)
     runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=64, max_pages=12000)
@@ -58,12 +71,7 @@ def test_runner_matches_reference_over_changing_batches():
         table = _random_table(rng, lens, 12000)
         plan = runner.plan(table)
         assert plan.batch_size == batch and plan.num_chunks <= runner.max_units
-        q_h = make_query(rng, 64, HQ, D, F16)
-        out = cp.full((64, HQ, D), np.nan, dtype=cp.float16)
-        lse = cp.full((64, HQ), np.nan, dtype=cp.float32)
-        runner.run(cp.asarray(q_h), k, v, out=out, lse=lse)
-        cp.cuda.runtime.deviceSynchronize()
-        _check_rows(out, lse, q_h, k_h, v_h, table)
+        out = _run_checked(runner, rng, 64, (k, v, k_h, v_h), table)
         assert np.isnan(out[batch:].get()).all(), "rows past the batch were written"
 
 
@@ -72,7 +80,6 @@ def test_runner_holds_its_plan_while_requests_grow():
     page boundaries, keeps the runner's own plan (plan.matches holds: an
     unsplit request's chunk is the plan's cap), and every step still matches
     float64: the kernel clips a chunk to its request. A join re-plans."""
-    cp = _cp()
     rng = np.random.default_rng(11)
     k, v, k_h, v_h = _pool(rng, 6000)
     lens = np.array([20000, 31, 300, 1000, 15, 2047])  # the first split (held fixed); the rest grow
@@ -90,12 +97,7 @@ def test_runner_holds_its_plan_while_requests_grow():
     for step in range(1, 9):
         table = table_of(lens + np.r_[0, [step] * 5])  # 31 -> 39, 15 -> 23, 2047 -> 2055: new pages
         assert runner.plan(table) is first, "requests that grew within their chunks re-planned"
-        q_h = make_query(rng, 8, HQ, D, F16)
-        out = cp.full((8, HQ, D), np.nan, dtype=cp.float16)
-        lse = cp.full((8, HQ), np.nan, dtype=cp.float32)
-        runner.run(cp.asarray(q_h), k, v, out=out, lse=lse)
-        cp.cuda.runtime.deviceSynchronize()
-        _check_rows(out, lse, q_h, k_h, v_h, table)
+        _run_checked(runner, rng, 8, (k, v, k_h, v_h), table)
     joined = cupaged.PageTable.from_seq_lens([*table.seq_lens.tolist(), 5], P,
                                              page_ids=np.concatenate([table.indices, pool[-1:]]))
     assert runner.plan(joined) is not first
