@@ -271,6 +271,7 @@ class PartialLaunch:
         self.table = None  # the table the image holds (kept alive while it does; never the plan: decode's
         # states are keyed by their plan and must not keep it alive)
         self.units = None  # the image's unit count
+        self._units_smem = self.smem  # the shared memory of a grid of the image's units (set by load)
         self._current_stream = cupy.cuda.get_current_stream
         self._launch = ExLauncher() if self.pdl else driver.launchKernel
         self._memcpy = cupy.cuda.runtime.memcpyAsync
@@ -310,6 +311,7 @@ class PartialLaunch:
             event = self._events[i] = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         self.table, self.units = table, units.shape[0]
+        self._units_smem = self._smem_for(self.units * self.heads_groups)  # (once here, not per launch_pointers)
 
     def set_arrays(self, q, k, v, out, lse) -> None:
         """Pointers and element strides of q, the caches (NHD views), out and lse."""
@@ -358,5 +360,5 @@ class PartialLaunch:
         everything else as last set."""
         w = self._words
         w[_W_Q], w[_W_K], w[_W_V], w[_W_OUT], w[_W_LSE] = q, k, v, out, lse or 0
-        ctas = self.units * self.heads_groups
-        self._launch(self.function, ctas, 1, 1, self.block, 1, 1, self._smem_for(ctas), stream, self.params_ptr, 0)
+        self._launch(self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1, self._units_smem, stream,
+                     self.params_ptr, 0)
