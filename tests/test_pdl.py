@@ -86,6 +86,39 @@ def test_resident_ctas_is_the_planners_count():
     assert checked >= 100
 
 
+class _FakeDriver:
+    """libcuda's two entry points ExLauncher binds, recording each launch's config."""
+
+    def __init__(self):
+        seen = self.seen = []
+
+        def launch(config_ref, function, params, extra):  # (a function: ExLauncher sets its argtypes)
+            c = config_ref._obj
+            seen.append((c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ,
+                         c.sharedMemBytes, c.hStream or 0, function, params, extra, c.numAttrs))
+            return 0
+
+        self.cuLaunchKernelEx = launch
+        self.cuGetErrorName = lambda err, name: 0
+
+
+def test_ex_launcher_passes_every_launchs_config(monkeypatch):
+    """The launcher skips rewriting an unchanged config: each launch must
+    still reach the driver with its own grid, block, shared memory and stream."""
+    fake = _FakeDriver()
+    monkeypatch.setattr(_launch.ctypes, "CDLL", lambda name: fake)
+    ex = _launch.ExLauncher(pdl=True)
+    launches = [(7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0), (7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0),
+                (7, 12, 1, 1, 128, 1, 1, 0, 1, 99, 0), (7, 12, 1, 1, 128, 1, 1, 4096, 1, 99, 0),
+                (7, 12, 1, 1, 128, 1, 1, 4096, 5, 99, 0), (8, 12, 2, 3, 64, 2, 1, 4096, 5, 98, 0),
+                (7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0)]
+    for args in launches:
+        ex(*args)
+    want = [(*a[1:9], a[0], a[9], a[10], 1) for a in launches]
+    assert fake.seen == want
+    assert _launch.ExLauncher(pdl=False) is not None and fake.seen == want
+
+
 def _count_pdl_launches(monkeypatch) -> list:
     calls = []
     real = _launch.ExLauncher.__call__
