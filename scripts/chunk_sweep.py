@@ -111,7 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-dtype", choices=("fp16", "fp8"), default="fp16",
                    help="KV cache: fp16, or fp8 e4m3 under an fp16 query")
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds (default 2)")
-    p.add_argument("--quick", action="store_true", help="time only every second cap (a faster, coarser sweep)")
+    p.add_argument("--quick", nargs="?", type=int, const=0, choices=(0, 1), default=None,
+                   help="time only every second knob (a faster, coarser sweep): the even ones (--quick or "
+                        "--quick 0), or the odd ones (--quick 1: with a --quick 0 sweep, every knob)")
     p.add_argument("--csv", default=None, help="write every timed row to this CSV file")
     return p.parse_args(argv)
 
@@ -165,8 +167,8 @@ def main(argv=None) -> int:
                  ("request_order", default.pages_per_chunk): dataclasses.replace(
                      default, launch_order=np.arange(default.num_chunks))}
         chosen = list(knobs(int(pages.max())))
-        if args.quick:
-            chosen = chosen[::2]
+        if args.quick is not None:
+            chosen = chosen[args.quick::2]
         for knob, value in chosen:
             kw = {"max_pages_per_chunk": value} if knob == "cap" else {"pages_per_chunk": value}
             plan = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype, **kw)
