@@ -69,15 +69,19 @@ class StepCosts:
 #: "Ragged batches: balanced units" has the sweep and the per-cell regrets.
 H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0, merge_us_per_chunk=0.35)
 
-#: The fp8 KV instances' constants (H200, 2026-12-01; 32 q / 8 kv heads,
-#: head_dim 128, page 16, 3 CTAs per SM): a grid search minimizing the worst
-#: regret over both fp8 sweeps, docs/benchmarks/chunk-sweep-ragged-fp8- and
-#: chunk-sweep-uniform-fp8-h200-2026-12-01.csv (20 cells; worst 16.7 %, mean
-#: 5.8 %, against 64.8 % and 10.8 % with fp16's constants at 2 CTAs per SM).
-#: One CTA streams fp8 bytes at ~14 GB/s, not fp16's 18: the widening to f16
-#: before the MMA, not the bytes, bounds it, so a long request wants more,
-#: shorter chunks than its byte count says.
-H200_COSTS_FP8 = StepCosts(hbm_gbps=4600.0, cta_gbps=14.0, cta_us=2.0, merge_us=9.0, merge_us_per_chunk=0.3)
+#: The fp8 KV instances' constants (H200; 32 q / 8 kv heads, head_dim 128,
+#: page 16, 3 CTAs per SM): ``scripts/fit_step_model.py --min-pages 8`` on
+#: the whole ladder of the ragged family, timed at commit 21d806c in two
+#: halves (docs/benchmarks/chunk-sweep-ragged-fp8-h200-2026-12-02-half0.csv
+#: and -half1.csv, 2026-12-02). Regret of the pick against the best knob
+#: timed: worst 12.2 %, mean 3.5 % over the 10 cells (the 2026-12-01
+#: constants ``(4600, 14.0, 2.0, 9.0, 0.3)``: 17.2 % / 6.4 %);
+#: docs/architecture.md has the per-cell table. One CTA streams fp8 bytes at
+#: ~14 GB/s, not fp16's 18: the widening to f16 before the MMA, not the
+#: bytes, bounds it, so a long request wants more, shorter chunks than its
+#: byte count says. (``hbm_gbps`` above the read roofline is the fit's: it
+#: sets the per-CTA share of a full device, not a rate any kernel reaches.)
+H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us=9.0, merge_us_per_chunk=0.3)
 
 
 def costs_for(kv_itemsize: int) -> StepCosts:

@@ -5,6 +5,9 @@ cap the model picks and its measured regret against the best knob timed.
 
     python3 scripts/fit_step_model.py docs/benchmarks/chunk-sweep-h200-2026-12-01.csv
     python3 scripts/fit_step_model.py SWEEP.csv --check      # today's constants, no fit
+    python3 scripts/fit_step_model.py HALF0.csv HALF1.csv     # two halves of one ladder (--quick 0 / 1)
+
+Sweeps of fp8 cells only fit (and --check) fp8's constants at 3 CTAs per SM.
 
 The fit minimizes the mean regret of the picked caps (the planner's job),
 plus a small weight on the model's log error over every timed cap, by
@@ -53,8 +56,31 @@ class Cell:
     page_bytes: int
 
 
-def load(path: str, page_size: int = 16, slots: int = 264) -> list[Cell]:
-    rows = list(csv.DictReader(open(path)))
+def merged_rows(paths: list[str]) -> list[dict]:
+    """The rows of several sweeps; a cell that an earlier file has keeps
+    those rows, and takes only the knobs it lacks from a later file, scaled
+    by the ratio of the two files' times of the cell's default plan (two
+    halves of one ladder, ``chunk_sweep.py --quick 0`` and ``--quick 1``,
+    timed in runs whose GPU state differs by a few percent)."""
+    rows: list[dict] = []
+    for path in paths:
+        new = list(csv.DictReader(open(path)))
+        for name in dict.fromkeys(r["cell"] for r in new):
+            have = [r for r in rows if r["cell"] == name]
+            theirs = [r for r in new if r["cell"] == name]
+            if not have:
+                rows += theirs
+                continue
+            mine = [float(r["us"]) for r in have if r["knob"] == "default"]
+            other = [float(r["us"]) for r in theirs if r["knob"] == "default"]
+            scale = mine[0] / other[0] if mine and other else 1.0
+            known = {(r["knob"], r["value"]) for r in have}
+            rows += [dict(r, us=str(float(r["us"]) * scale)) for r in theirs if (r["knob"], r["value"]) not in known]
+    return rows
+
+
+def load(paths: list[str], page_size: int = 16) -> list[Cell]:
+    rows = merged_rows(paths)
     cells = []
     for name in dict.fromkeys(r["cell"] for r in rows):
         rs = [r for r in rows if r["cell"] == name]
@@ -70,6 +96,8 @@ def load(path: str, page_size: int = 16, slots: int = 264) -> list[Cell]:
                                        page_order="random").seq_lens
         pages = -(-np.asarray(lens) // page_size)
         caps = [(int(r["value"]), float(r["us"])) for r in rs if r["knob"] == "cap"]
+        caps += [(int(r["value"]), float(r["us"])) for r in rs if r["knob"] == "default"
+                 and int(r["value"]) not in {c for c, _ in caps}]  # the default's cap, where no cap row has it
         cps = int(rs[0]["num_ctas"]) // int(rs[0]["num_chunks"])
         cells.append(Cell(name, pages, np.array([c for c, _ in caps]), np.array([u for _, u in caps]),
                           min(float(r["us"]) for r in rs), cps, page_size * 2 * 128 * (1 if kv == "fp8" else 2)))
@@ -114,10 +142,15 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="report today's constants without fitting")
     p.add_argument("--min-pages", type=int, default=4,
                    help="smallest cap the planner considers, in pages of 16 tokens")
-    p.add_argument("--slots", type=int, default=264, help="resident CTAs on the device (2 per SM x 132 SMs)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="resident CTAs on the device (default: 2 per SM x 132 SMs; fp8 sweeps 3 per SM)")
     args = p.parse_args(argv)
-    cells = [c for path in args.csv for c in load(path)]
-    costs = schedule.H200_COSTS if args.check else fit(cells, schedule.H200_COSTS, args.slots, args.min_pages)
+    cells = load(args.csv)
+    fp8 = all(c.page_bytes == 16 * 2 * 128 for c in cells)  # every cell an fp8 one: fp8's constants
+    start = schedule.H200_COSTS_FP8 if fp8 else schedule.H200_COSTS
+    if args.slots is None:
+        args.slots = (3 if fp8 else 2) * 132
+    costs = start if args.check else fit(cells, start, args.slots, args.min_pages)
     print(costs)
     worst = 0.0
     for name, cap, us, best, regret, log_err in regrets(cells, costs, args.slots, args.min_pages):
