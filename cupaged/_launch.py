@@ -74,8 +74,9 @@ class ExLauncher:
 
     def __init__(self, pdl: bool = True) -> None:
         lib = ctypes.CDLL("nvcuda.dll" if os.name == "nt" else "libcuda.so.1")
-        self._fn = lib.cuLaunchKernelEx
-        self._fn.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        # (item access: a function object of our own, without argtypes; every argument is
+        # a ctypes object made once per launch shape, so a call converts nothing)
+        self._fn = lib["cuLaunchKernelEx"]
         self._fn.restype = ctypes.c_int
         self._error_name = lib.cuGetErrorName
         self._error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -83,17 +84,20 @@ class ExLauncher:
         self._attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int at the union's start)
         self._config = LaunchConfig(attrs=ctypes.pointer(self._attr), numAttrs=1 if pdl else 0)
         self._config_ref = ctypes.byref(self._config)
-        self._shape = None  # (grid, block, smem, stream) the config holds
+        self._key = None  # the arguments of the launch that _config and _args hold
+        self._args = ()
 
     def __call__(self, function: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
                  stream: int, params: int, extra: int) -> None:
-        shape = (gx, gy, gz, bx, by, bz, smem, stream)
-        if shape != self._shape:  # a serving loop repeats one shape: one tuple comparison, not 8 ctypes writes
+        key = (function, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
+        if key != self._key:  # a serving loop repeats one launch: one tuple comparison, not 8 ctypes writes
             c = self._config
             c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ = gx, gy, gz, bx, by, bz
             c.sharedMemBytes, c.hStream = smem, stream
-            self._shape = shape
-        err = self._fn(self._config_ref, function, params, extra)  # (c_void_p takes 0 as NULL)
+            P = ctypes.c_void_p
+            self._args = (self._config_ref, P(function), P(params), P(extra or None))
+            self._key = key
+        err = self._fn(*self._args)
         if err:
             name = ctypes.c_char_p()
             self._error_name(err, ctypes.byref(name))

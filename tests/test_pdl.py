@@ -92,14 +92,19 @@ class _FakeDriver:
     def __init__(self):
         seen = self.seen = []
 
-        def launch(config_ref, function, params, extra):  # (a function: ExLauncher sets its argtypes)
+        def launch(config_ref, function, params, extra):  # (a function: ExLauncher sets its restype)
             c = config_ref._obj
+            assert all(type(a) is ctypes.c_void_p for a in (function, params, extra))  # no argtypes to convert
             seen.append((c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ,
-                         c.sharedMemBytes, c.hStream or 0, function, params, extra, c.numAttrs))
+                         c.sharedMemBytes, c.hStream or 0, function.value, params.value, extra.value or 0,
+                         c.numAttrs))
             return 0
 
-        self.cuLaunchKernelEx = launch
+        self.entries = {"cuLaunchKernelEx": launch}
         self.cuGetErrorName = lambda err, name: 0
+
+    def __getitem__(self, name):
+        return self.entries[name]
 
 
 def test_ex_launcher_passes_every_launchs_config(monkeypatch):
@@ -111,7 +116,8 @@ def test_ex_launcher_passes_every_launchs_config(monkeypatch):
     launches = [(7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0), (7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0),
                 (7, 12, 1, 1, 128, 1, 1, 0, 1, 99, 0), (7, 12, 1, 1, 128, 1, 1, 4096, 1, 99, 0),
                 (7, 12, 1, 1, 128, 1, 1, 4096, 5, 99, 0), (8, 12, 2, 3, 64, 2, 1, 4096, 5, 98, 0),
-                (7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0)]
+                (9, 12, 2, 3, 64, 2, 1, 4096, 5, 98, 0), (9, 12, 2, 3, 64, 2, 1, 4096, 5, 97, 0),
+                (9, 12, 2, 3, 64, 2, 1, 4096, 5, 97, 64), (7, 10, 1, 1, 128, 1, 1, 0, 1, 99, 0)]
     for args in launches:
         ex(*args)
     want = [(*a[1:9], a[0], a[9], a[10], 1) for a in launches]
