@@ -44,7 +44,7 @@ import _common  # noqa: E402
 CELLS = ("1x1024", "1x4096", "1x16384", "1x131072", "4x4096", "4x32768", "8x1024", "8x32768", "32x4096",
          "32x32768", "128x8192")
 COLUMNS = ("cell", "batch", "kv_dtype", "knob", "value", "num_chunks", "num_ctas", "model_us", "us_round1",
-           "us_round2", "us", "default")
+           "us_round2", "us", "default", "ctas_per_sm")
 DEFAULT_SHAPE = (16, 32, 8, 128)  # page, hq, hkv, d
 MIN_CAP = 4  # the planner's ladder (schedule.candidate_caps) down to chunks of 4 pages
 
@@ -100,6 +100,29 @@ def knobs(longest_pages: int) -> list[tuple[str, int]]:
     return out
 
 
+def hold_ctas_per_sm(n: int) -> None:
+    """A what-if for this process: the planner counts, and every partial
+    kernel launch holds each SM to, at most ``n`` CTAs per SM (the launch
+    through the dynamic shared memory of :func:`cupaged._launch.residency_smem`,
+    which PDL's tensor-core launches on sm_90+ use). fp8's instances fit 3
+    per SM; ``--ctas-per-sm 2`` asks whether its grids run better at 2."""
+    from cupaged import _configs
+    from cupaged import plan as plan_mod
+
+    real = _configs.resident_ctas
+    _configs.resident_ctas = lambda *args: min(real(*args), n)
+    plan_mod._resident_ctas.cache_clear()
+
+
+def held_ctas_per_sm(plan) -> int | None:
+    """The most CTAs per SM the launches of ``plan`` (already run) allow:
+    the last entry of its launch state's residency table, None without one."""
+    from cupaged._plan_launch import plan_states
+
+    states = plan_states(plan) or {}
+    return max((len(s._smem_at) - 1 for s in states.values()), default=None)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,6 +137,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", nargs="?", type=int, const=0, choices=(0, 1), default=None,
                    help="time only every second knob (a faster, coarser sweep): the even ones (--quick or "
                         "--quick 0), or the odd ones (--quick 1: with a --quick 0 sweep, every knob)")
+    p.add_argument("--ctas-per-sm", type=int, default=None,
+                   help="a what-if: plan for and hold every launch to at most N CTAs per SM (tensor-core "
+                        "instances with programmatic dependent launch, sm_90+); default the planner's count")
     p.add_argument("--csv", default=None, help="write every timed row to this CSV file")
     return p.parse_args(argv)
 
@@ -134,7 +160,12 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         print("--rounds must be >= 1", file=sys.stderr)
         return 2
+    if args.ctas_per_sm is not None and args.ctas_per_sm < 1:
+        print("--ctas-per-sm must be >= 1", file=sys.stderr)
+        return 2
     _common.require_gpu()
+    if args.ctas_per_sm is not None:
+        hold_ctas_per_sm(args.ctas_per_sm)
     import cupy
     import numpy as np
 
@@ -188,6 +219,11 @@ def main(argv=None) -> int:
                     cupaged.decode(dev.q, k, v, table, plan, method="v2", out=out)
 
                 times[key].append(autotune.graph_time_us(call, launches=20, reps=5))
+        held = held_ctas_per_sm(default)
+        if args.ctas_per_sm is not None and held != slots // resolve_num_sms():  # (slots: the held count)
+            print(f"{name}: the launches allow {held} CTAs per SM, not {args.ctas_per_sm} (no residency "
+                  "table: a CUDA-core instance, CUPAGED_PDL=0 or a GPU before sm_90)", file=sys.stderr)
+            return 1
         min_pages = -(-128 // page)
         costs = schedule.costs_for(1 if fp8 else 2)
         default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, slots, page_bytes, min_pages,
@@ -203,7 +239,7 @@ def main(argv=None) -> int:
             row = dict(cell=name, batch=batch, kv_dtype=args.kv_dtype, knob=knob, value=value,
                        num_chunks=plan.num_chunks, num_ctas=plan.num_ctas, model_us=round(model, 2),
                        us_round1=round(times[(knob, value)][0], 2), us_round2=round(times[(knob, value)][-1], 2),
-                       us=round(us, 2), default=int(knob == "default"))
+                       us=round(us, 2), default=int(knob == "default"), ctas_per_sm=slots // resolve_num_sms())
             rows.append(row)
             print(",".join(str(row[k]) for k in COLUMNS), flush=True)
         best_key = min(times, key=lambda k: float(np.median(times[k])))

@@ -1279,6 +1279,7 @@ def test_chunk_sweep_exit_codes():
     res = _run("scripts/chunk_sweep.py", "--cells", "1x4096")
     assert res.returncode == 3 and "no CUDA GPU" in res.stderr, res.stdout + res.stderr
     assert _run("scripts/chunk_sweep.py", "--cells", "4").returncode == 2
+    assert _run("scripts/chunk_sweep.py", "--ctas-per-sm", "0").returncode == 2
 
 
 def test_correctness_ragged_configs():
@@ -1313,6 +1314,29 @@ def test_chunk_sweep_cells_and_knobs():
     from cupaged import schedule
     assert set(schedule.candidate_caps(8192, 8).tolist()) <= set(caps)
     assert [v for k, v in knobs if k == "uniform"] == [2**i for i in range(14)]
+
+
+def test_chunk_sweep_holds_the_planners_ctas_per_sm(monkeypatch):
+    """--ctas-per-sm N: the planner counts at most N CTAs per SM (and the
+    launches' residency table, built from the same function, holds N)."""
+    chunk_sweep = importlib.import_module("chunk_sweep")
+    from cupaged import _configs
+    from cupaged import plan as plan_mod
+
+    monkeypatch.setattr(_configs, "resident_ctas", _configs.resident_ctas)  # restored after the test
+    f16, fp8 = np.dtype(np.float16), np.dtype(np.uint8)
+    plan_mod._resident_ctas.cache_clear()
+    assert plan_mod.ctas_per_sm(f16, fp8, 128, 4) == 3 and plan_mod.ctas_per_sm(f16, f16, 128, 4) == 2
+    chunk_sweep.hold_ctas_per_sm(2)
+    assert plan_mod.ctas_per_sm(f16, fp8, 128, 4) == 2 and plan_mod.ctas_per_sm(f16, f16, 128, 4) == 2
+    assert _configs.resident_ctas(_configs.variant("float16", "float8_e4m3fn"), 128, 4, "mma") == 2
+    chunk_sweep.hold_ctas_per_sm(1)
+    assert plan_mod.ctas_per_sm(f16, fp8, 128, 4) == 1
+    monkeypatch.undo()
+    plan_mod._resident_ctas.cache_clear()
+    assert plan_mod.ctas_per_sm(f16, fp8, 128, 4) == 3
+    assert chunk_sweep.held_ctas_per_sm(object()) is None  # no launch state: no table
+    assert chunk_sweep.parse_args(["--ctas-per-sm", "2"]).ctas_per_sm == 2
 
 
 @pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
