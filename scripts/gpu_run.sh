@@ -143,7 +143,7 @@ for s in $steps; do case $s in
     run large_report 60 "python3 scripts/large_report.py $work/large/microbench-issue5.csv --out $work/large/h200-large ${LARGE_BASELINE:+--baseline $LARGE_BASELINE --baseline-label ${LARGE_BASELINE_LABEL:-baseline}}"
     cat "$work/large_report.log" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
-  sweep8) run sweep_ragged8 330 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick ${SWEEP_HALF:-0} --rounds ${SWEEP_ROUNDS:-2} ${SWEEP_CTAS_PER_SM:+--ctas-per-sm $SWEEP_CTAS_PER_SM} --csv $work/sweep_ragged8.csv" ;;
+  sweep8) run sweep_ragged8 420 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick ${SWEEP_HALF:-0} --rounds ${SWEEP_ROUNDS:-2} ${SWEEP_CTAS_PER_SM:+--ctas-per-sm $SWEEP_CTAS_PER_SM} --csv $work/sweep_ragged8.csv" ;;
   runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from
            # outside Python's gc, so the plans they hold do too; the test passes without the sanitizer)
