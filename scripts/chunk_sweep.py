@@ -250,8 +250,8 @@ def main(argv=None) -> int:
                         gb / (dflt * 1e-6) / 1e3))
         del dev, caches
         _common.free_gpu_memory()
-    if args.csv:
-        _common.write_csv(args.csv, COLUMNS, rows)
+        if args.csv:  # after every cell: a run cut short by a time limit keeps what it timed
+            _common.write_csv(args.csv, COLUMNS, rows)
     print("SUMMARY cell kv default_us best_us best_knob regret default_TB/s")
     for name, kv, dflt, best, knob, regret, tbs in summary:
         print(f"SUMMARY {name} {kv} {dflt:.2f} {best:.2f} {knob} {regret * 100:+.1f}% {tbs:.2f}")
