@@ -6,7 +6,9 @@ step), and of the bare driver launch; then a cProfile of the first kind of
 call sorted by own time. First, without a GPU too, the host cost of
 ``plan_decode`` on ragged batches of 128 and 256 requests (``--plan-only``
 stops there). ``--step`` instead times, without a GPU, the host bookkeeping of
-one decode step with a :class:`cupaged.BlockPool` at batch 32, 128 and 256.
+one decode step with a :class:`cupaged.BlockPool` at batch 32, 128 and 256;
+``--hot-path-cpu`` times the Python part of a held-plan call with the driver
+call replaced by a no-op, on any machine.
 Exit status: 0 ran, 3 no CUDA GPU (after the plan timings).
 """
 
@@ -171,6 +173,90 @@ def step_costs(steps: int = 2000) -> None:
         _spread("page_table after 1 leave + 1 join", churn)
 
 
+def hot_path_cpu(batch: int, ctx: int, calls: int) -> None:
+    """Median µs of the Python part of decode's hot path (held plan, ``out``
+    given, fp16, 32 q / 8 kv heads, D 128), on any machine, GPU or not: CuPy
+    arrays over made-up device addresses (never dereferenced), a launch
+    state whose fields are set by hand to what ``PartialLaunch.load`` and
+    ``set_arrays`` would set, and the PDL launcher (``_launch.ExLauncher``)
+    on a no-op driver entry. The H200 host adds the driver call (the
+    "piece" lines of a GPU run) and runs Python ~2x slower than a 2-core
+    dev box; this is for working on the hot path's checks without a GPU."""
+    import ctypes
+    import threading
+
+    import numpy as np
+    from cupy.cuda import memory
+
+    import cupaged
+    from cupaged import _launch
+    from cupaged._plan_launch import PLAN_STATES, HotCall, PlanLaunch, PlanStates
+
+    import cupy
+
+    def fake(shape, dtype, address):
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return cupy.ndarray(shape, dtype, memptr=memory.MemoryPointer(
+            memory.UnownedMemory(address, size, None, device_id=0), 0))
+
+    class NoDriver:  # what ExLauncher binds from libcuda, doing nothing
+        cuGetErrorName = staticmethod(lambda err, name: 0)
+
+        def __getitem__(self, name):
+            return lambda config, function, params, extra: 0
+
+    real_cdll, ctypes.CDLL = ctypes.CDLL, lambda name: NoDriver()
+    try:
+        launcher = _launch.ExLauncher()
+    finally:
+        ctypes.CDLL = real_cdll
+    table = cupaged.PageTable.from_seq_lens([ctx] * batch, page_size=16)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132)
+    pages = int(table.indptr[-1])
+    q, out = fake((batch, 32, 128), np.float16, 1 << 20), fake((batch, 32, 128), np.float16, 1 << 24)
+    k, v = fake((pages, 16, 8, 128), np.float16, 1 << 32), fake((pages, 16, 8, 128), np.float16, 1 << 36)
+    state = PlanLaunch.__new__(PlanLaunch)  # the fields the hot path reads, without a device
+    state.lock, state.stream_ptr, state.scores, state.hots = threading.Lock(), 0, None, {}
+    state.params = _launch.PartialParams()
+    state._words = memoryview(state.params).cast("B").cast("Q")
+    state._arg = (ctypes.c_void_p * 1)(ctypes.addressof(state.params))
+    state.params_ptr = ctypes.addressof(state._arg)
+    state.function, state.block, state.heads_groups = 1, 128, plan.heads_groups
+    state.units, state._units_smem, state._launch = plan.num_units, 0, launcher
+    args = (None, None, None, None, "NHD", None, None, None)  # decode's defaults, as the hot path records them
+    hot = state.hot = HotCall(q, k, v, table, "auto", args, out, None)
+
+    class Stream:
+        ptr = 0
+
+    hot.get_device, hot.get_stream = (lambda: 0), (lambda: Stream)
+    states = PlanStates()
+    states.last = state
+    PLAN_STATES[id(plan)] = states
+    try:
+        # the record must take these arguments before decode sees them: were a check to fail,
+        # decode's full path would launch a real kernel on the made-up addresses (on a GPU)
+        if hot.launch(state, q, k, v, table, "auto", args, out, False, None) is not out:
+            raise RuntimeError("host_profile --hot-path-cpu: the hot path's record refused its own call")
+
+        def median_us(fn):
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            return statistics.median(times)
+
+        for label, fn in (("decode", lambda: cupaged.decode(q, k, v, table, plan, out=out)),
+                          ("HotCall.launch", lambda: hot.launch(state, q, k, v, table, "auto", args, out, False, None)),
+                          ("launch_pointers", lambda: state.launch_pointers(1 << 20, 1 << 32, 1 << 36, 1 << 24, None, 0))):
+            rounds = [median_us(fn) for _ in range(3)]
+            print(f"host us per {label}, Python only (no-op driver, no GPU): median {statistics.median(rounds):.2f} "
+                  f"(round medians {min(rounds):.2f}-{max(rounds):.2f}, {calls} calls each)")
+    finally:
+        PLAN_STATES.pop(id(plan), None)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
     p.add_argument("--batch", type=int, default=8, help="requests in the batch (default 8)")
@@ -180,7 +266,12 @@ def main(argv=None) -> int:
     p.add_argument("--plan-only", action="store_true", help="time plan_decode on ragged batches only (no GPU)")
     p.add_argument("--step", action="store_true",
                    help="time a decode step's pool bookkeeping and plan_decode at batch 32/128/256 only (no GPU)")
+    p.add_argument("--hot-path-cpu", action="store_true",
+                   help="time the Python part of decode's hot path only, with a no-op driver (no GPU)")
     args = p.parse_args(argv)
+    if args.hot_path_cpu:
+        hot_path_cpu(args.batch, args.ctx, args.calls)
+        return 0
     if args.step:
         step_costs()
         return 0

@@ -1491,3 +1491,17 @@ def test_plan_hash_sees_a_changed_plan(monkeypatch):
     assert base == plan_hash.plans_hash(tables=6) and base[0] == 6 * 20
     monkeypatch.setattr(schedule, "H200_COSTS", schedule.StepCosts(4700.0, 18.0, 30.0, 9.0, 0.35))
     assert plan_hash.plans_hash(tables=6) != base
+
+
+def test_host_profile_times_the_hot_path_without_a_gpu(capsys):
+    """--hot-path-cpu runs decode's real hot path (a held plan's record, its
+    checks, the pointer writes and the PDL launcher) over made-up device
+    addresses with a no-op driver, on a machine without a GPU too."""
+    host_profile = importlib.import_module("host_profile")
+    assert host_profile.main(["--hot-path-cpu", "--calls", "20", "--batch", "4", "--ctx", "512"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "Python only" in ln]
+    assert [ln.split(",")[0] for ln in lines] == [
+        "host us per decode", "host us per HotCall.launch", "host us per launch_pointers"]
+    from cupaged._plan_launch import PLAN_STATES
+
+    assert not any(s.last is not None and s.last.function == 1 for s in PLAN_STATES.values())  # removed after
