@@ -185,14 +185,13 @@ def hot_path_cpu(batch: int, ctx: int, calls: int) -> None:
     import ctypes
     import threading
 
+    import cupy
     import numpy as np
     from cupy.cuda import memory
 
     import cupaged
     from cupaged import _launch
     from cupaged._plan_launch import PLAN_STATES, HotCall, PlanLaunch, PlanStates
-
-    import cupy
 
     def fake(shape, dtype, address):
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
