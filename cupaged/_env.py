@@ -62,9 +62,29 @@ METHODS: tuple[str, ...] = ("auto", "v2", "v1", "gather")
 CORES: tuple[str, ...] = ("mma", "simt")
 
 
+# os.environ.get costs ~0.7 us when the variable is unset (a KeyError raised
+# and caught inside os.environ), and every default plan reads two variables.
+# The mapping behind os.environ, which every os.environ assignment and
+# deletion updates (CPython), answers in one dict lookup; elsewhere, the
+# public call.
+try:
+    _ENV_DATA = os.environ._data  # type: ignore[attr-defined]
+    _ENCODE_KEY, _DECODE_VALUE = os.environ.encodekey, os.environ.decodevalue  # type: ignore[attr-defined]
+    _KEYS: dict = {}
+
+    def _get(name: str) -> str | None:
+        key = _KEYS.get(name)
+        if key is None:
+            key = _KEYS[name] = _ENCODE_KEY(name)
+        value = _ENV_DATA.get(key)
+        return None if value is None else _DECODE_VALUE(value)
+except AttributeError:  # pragma: no cover (not CPython)
+    _get = os.environ.get
+
+
 def _raw(name: str) -> str | None:
     """The variable's value stripped of blanks; None when unset or empty."""
-    value = os.environ.get(name)
+    value = _get(name)
     if value is None or not value.strip():
         return None
     return value.strip()
@@ -101,13 +121,10 @@ def decode_method() -> str:
     return raw
 
 
-# os.environ.get costs ~0.7 us when the variable is unset (a KeyError raised
-# and caught inside os.environ), a tenth of decode's hot path. The hot path
-# only asks whether the raw value changed since its last full call, so it
-# reads the mapping behind os.environ, which every os.environ assignment
-# updates (CPython; elsewhere, the public call).
+# decode's hot path only asks whether the raw value changed since its last
+# full call: the encoded value, without decoding it (see _get).
 try:
-    _ENV_DATA, _DECODE_KEY = os.environ._data, os.environ.encodekey(DECODE)  # type: ignore[attr-defined]
+    _DECODE_KEY = os.environ.encodekey(DECODE)  # type: ignore[attr-defined]
 
     def decode_method_raw():
         """``CUPAGED_DECODE``'s raw value (None when unset), unvalidated:

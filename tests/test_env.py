@@ -124,3 +124,16 @@ def test_hot_path_lookup_follows_os_environ(monkeypatch):
     monkeypatch.setenv(_env.DECODE, "v1")
     assert _env.decode_method_raw() in ("v1", b"v1")
     assert plan_launch._env_method_raw is _env.decode_method_raw
+
+
+@pytest.mark.parametrize("name", list(_env.VARIABLES))
+def test_reads_follow_os_environ(monkeypatch, name):
+    """Every variable is read through the mapping behind os.environ (one
+    dict lookup): each read must give what os.environ.get gives, after a
+    set, a change and a delete."""
+    for value in ("", " 12 ", "simt", "caf\u00e9", None):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+        assert _env._get(name) == os.environ.get(name), (name, value)
