@@ -89,13 +89,20 @@ class ExLauncher:
 
     def __call__(self, function: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, smem: int,
                  stream: int, params: int, extra: int) -> None:
-        key = (function, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
-        if key != self._key:  # a serving loop repeats one launch: one tuple comparison, not 8 ctypes writes
-            c = self._config
-            c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ = gx, gy, gz, bx, by, bz
-            c.sharedMemBytes, c.hStream = smem, stream
-            P = ctypes.c_void_p
-            self._args = (self._config_ref, P(function), P(params), P(extra or None))
+        self.launch_key((function, gx, gy, gz, bx, by, bz, smem, stream, params, extra))
+
+    def launch_key(self, key: tuple) -> None:
+        """Launches ``key``, :meth:`__call__`'s arguments as one tuple. A
+        serving loop repeats one launch: the last key object again is one
+        identity test (an equal one, one tuple comparison), not 8 ctypes writes."""
+        if key is not self._key:
+            if key != self._key:
+                function, gx, gy, gz, bx, by, bz, smem, stream, params, extra = key
+                c = self._config
+                c.gridDimX, c.gridDimY, c.gridDimZ, c.blockDimX, c.blockDimY, c.blockDimZ = gx, gy, gz, bx, by, bz
+                c.sharedMemBytes, c.hStream = smem, stream
+                P = ctypes.c_void_p
+                self._args = (self._config_ref, P(function), P(params), P(extra or None))
             self._key = key
         err = self._fn(*self._args)
         if err:
@@ -282,6 +289,8 @@ class PartialLaunch:
         self._units_smem = self.smem  # the shared memory of a grid of the image's units (set by load)
         self._current_stream = cupy.cuda.get_current_stream
         self._launch = ExLauncher() if self.pdl else driver.launchKernel
+        self._launch_key = self._launch.launch_key if self.pdl else (lambda key: driver.launchKernel(*key))
+        self._pointers_key = None  # launch_pointers' launch (the image's units on one stream), made once per load
         self._memcpy = cupy.cuda.runtime.memcpyAsync
 
     def _alloc(self, max_batch: int, max_units: int, max_pages: int, num_qo_heads: int) -> None:
@@ -320,6 +329,7 @@ class PartialLaunch:
         event.record(stream)
         self.table, self.units = table, units.shape[0]
         self._units_smem = self._smem_for(self.units * self.heads_groups)  # (once here, not per launch_pointers)
+        self._pointers_key = None
 
     def set_arrays(self, q, k, v, out, lse) -> None:
         """Pointers and element strides of q, the caches (NHD views), out and lse."""
@@ -368,5 +378,8 @@ class PartialLaunch:
         everything else as last set."""
         w = self._words
         w[_W_Q], w[_W_K], w[_W_V], w[_W_OUT], w[_W_LSE] = q, k, v, out, lse or 0
-        self._launch(self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1, self._units_smem, stream,
-                     self.params_ptr, 0)
+        key = self._pointers_key
+        if key is None or key[8] != stream:
+            key = self._pointers_key = (self.function, self.units * self.heads_groups, 1, 1, self.block, 1, 1,
+                                        self._units_smem, stream, self.params_ptr, 0)
+        self._launch_key(key)

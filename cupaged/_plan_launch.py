@@ -117,8 +117,15 @@ _NO_ENV = object()  # the record of a call whose method was not "auto"
 
 def same_arg(a, b) -> bool:
     """The hot path's test that an argument is the recorded one: the same
-    object, or an equal plain float or int (an array must be the same object)."""
-    return a is b or (type(a) in (float, int) and type(a) is type(b) and a == b)
+    object, or an equal plain float, int or str (an array must be the same
+    object)."""
+    return a is b or (type(a) in (float, int, str) and type(a) is type(b) and a == b)
+
+
+def _c_contiguous(a) -> bool:
+    """CuPy's C-contiguity flag (a field read; ``flags`` makes an object);
+    False where the attribute is missing (the record then compares strides)."""
+    return getattr(a, "_c_contiguous", False) is True
 
 
 def args_match(args: tuple, rec: tuple) -> bool:
@@ -134,19 +141,26 @@ class HotCall:
     """What one fully checked v2 call looked like, so that the next call of the
     same kind (a serving loop: per layer a new q, out and layer cache of the
     same shapes) skips decode's checks: it compares the arrays' types,
-    shapes, strides, dtypes and devices, the table's identity, the method
-    (and CUPAGED_DECODE), sm_scale, the soft cap, the k/v scales and the
-    layout with the record, tests the new pointers' 16-byte alignment, and
-    launches with only the pointer fields rewritten. Any difference returns
-    None and the full path runs (and records again). Host cost measured by
-    scripts/host_profile.py; each comparison is one tuple comparison, as
-    every Python operation here costs ~50 ns of the ~8 us budget."""
+    shapes, strides (or C-contiguity, when the record's arrays were), dtypes
+    and devices, the table's identity, the method (and CUPAGED_DECODE),
+    sm_scale, the soft cap, the layout and the window with the record (decode
+    picks the record by its k/v scales and sinks), tests the new pointers'
+    16-byte alignment, and launches with only the pointer fields rewritten.
+    Any difference returns None and the full path runs (and records again).
+    Host cost measured by scripts/host_profile.py: every Python operation
+    here costs ~20-80 ns of the ~8 us budget, so the common case is a chain
+    of identity tests and one tuple comparison."""
+
+    __slots__ = ("table", "method", "args", "scores", "k_scale", "v_scale", "sinks", "sm_scale", "soft_cap",
+                 "kv_layout", "window_left", "env", "ndarray", "empty", "float32", "get_device", "get_stream",
+                 "device", "meta", "shapes", "contiguous", "devices", "geometry", "lse_meta")
 
     def __init__(self, q, k, v, table, method: str, args: tuple, out, scores):
         import cupy
 
         self.table, self.method, self.args, self.scores = table, method, args, scores
-        self.k_scale, self.v_scale, self.sinks = args[2], args[3], args[5]  # (keys of PlanLaunch.hots)
+        # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr)
+        self.sm_scale, self.soft_cap, self.k_scale, self.v_scale, self.kv_layout, self.sinks, self.window_left = args[:7]
         self.env = _env_method_raw() if method == "auto" else _NO_ENV
         self.ndarray, self.empty, self.float32 = cupy.ndarray, cupy.empty, cupy.float32
         self.get_device, self.get_stream = cupy.cuda.runtime.getDevice, cupy.cuda.get_current_stream
@@ -154,20 +168,28 @@ class HotCall:
         # k and v as passed (HND: before the NHD view); out as given (or as allocated)
         self.meta = (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
                      q.shape, out.strides, q.dtype)
+        self.shapes = (q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, q.shape, q.dtype)
+        # C-contiguous arrays of the record's shapes and dtypes have its strides (but on dimensions
+        # of size 1, whose stride no element's address uses): one flag read instead of a strides tuple
+        self.contiguous = all(_c_contiguous(a) for a in (q, k, v, out))
         self.devices = (device, device, device, device, device)
         self.geometry = (self.meta, args[4])  # shapes, strides and layout: the parameters' strides
         rows = q.shape[:2]
-        self.lse_meta = (rows, np.dtype(np.float32), (4 * rows[1], 4), device)
+        self.lse_meta = (rows, np.dtype(np.float32), True, device)  # C-contiguous (rows[1] == 1: any strides)
 
-    def launch(self, state: PlanLaunch, q, k, v, table, method, args: tuple, out, return_lse, lse):
+    def launch(self, state: PlanLaunch, q, k, v, table, method, sm_scale, soft_cap, kv_layout, window_left,
+               qo_indptr, out, return_lse, lse):
         """Launches with ``state`` (whose record this is) and returns decode's
-        result, or None (the full path runs)."""
+        result, or None (the full path runs). The caller has matched k_scale,
+        v_scale and sinks (the record's key)."""
         nd = self.ndarray
-        if table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd \
-                or type(v) is not nd:
+        if (table is not self.table or method != self.method or type(q) is not nd or type(k) is not nd
+                or type(v) is not nd or qo_indptr is not None):
             return None
-        rec = self.args  # (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr)
-        if not args_match(args, rec):
+        if not (sm_scale is self.sm_scale and soft_cap is self.soft_cap and kv_layout is self.kv_layout
+                and window_left is self.window_left) and not args_match(
+                    (sm_scale, soft_cap, kv_layout, window_left),
+                    (self.sm_scale, self.soft_cap, self.kv_layout, self.window_left)):
             return None
         if self.env is not _NO_ENV and _env_method_raw() != self.env:
             return None
@@ -175,22 +197,30 @@ class HotCall:
             out = self.empty(self.meta[0], dtype=self.meta[2])
         elif type(out) is not nd:
             return None
-        if (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
+        if self.contiguous:
+            if ((q.shape, q.dtype, k.shape, k.dtype, v.shape, v.dtype, out.shape, out.dtype) != self.shapes
+                    or not (q._c_contiguous and k._c_contiguous and v._c_contiguous and out._c_contiguous)):
+                return None
+        elif (q.shape, q.strides, q.dtype, k.shape, k.strides, k.dtype, v.shape, v.strides, v.dtype,
                 out.shape, out.strides, out.dtype) != self.meta:
             return None
         qp, kp, vp, op = q.data, k.data, v.data, out.data
         qa, ka, va = qp.ptr, kp.ptr, vp.ptr
-        stream = state.stream_ptr
-        if ((qa | ka | va) & 15 or self.get_stream().ptr != stream
-                or (qp.device_id, kp.device_id, vp.device_id, op.device_id, self.get_device()) != self.devices):
+        device = self.get_device()
+        if ((qa | ka | va) & 15 or (qp.device_id, kp.device_id, vp.device_id, op.device_id, device) != self.devices
+                or self.get_stream(device).ptr != state.stream_ptr):
             return None
         if lse is not None:
-            if type(lse) is not nd or (lse.shape, lse.dtype, lse.strides, lse.data.device_id) != self.lse_meta:
+            if type(lse) is not nd or (lse.shape, lse.dtype, _c_contiguous(lse), lse.data.device_id) != self.lse_meta:
                 return None
         elif return_lse:
             lse = self.empty(self.lse_meta[0], dtype=self.float32)
-        with state.lock:
+        lock = state.lock
+        lock.acquire()
+        try:
             if state.scores is not self.scores:  # another layer's record: its scales and sinks
                 state.set_scores(self.scores)
-            state.launch_pointers(qa, ka, va, op.ptr, None if lse is None else lse.data.ptr, stream)
+            state.launch_pointers(qa, ka, va, op.ptr, None if lse is None else lse.data.ptr, state.stream_ptr)
+        finally:
+            lock.release()
         return (out, lse) if return_lse else out

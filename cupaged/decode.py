@@ -177,9 +177,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
                                     or sinks is not hot.sinks):  # another layer's scales or sinks
                 hot = state.hots.get((id(k_scale), id(v_scale), id(sinks)))
             if hot is not None:
-                res = hot.launch(state, q, k_cache, v_cache, table, method,
-                                 (sm_scale, logits_soft_cap, k_scale, v_scale, kv_layout, sinks, window_left, qo_indptr),
-                                 out, return_lse, lse)
+                res = hot.launch(state, q, k_cache, v_cache, table, method, sm_scale, logits_soft_cap, kv_layout,
+                                 window_left, qo_indptr, out, return_lse, lse)
                 if res is not None:
                     return res
     if method not in METHODS or method == "auto":  # argument errors before the GPU check

@@ -222,20 +222,22 @@ def hot_path_cpu(batch: int, ctx: int, calls: int) -> None:
     state.params_ptr = ctypes.addressof(state._arg)
     state.function, state.block, state.heads_groups = 1, 128, plan.heads_groups
     state.units, state._units_smem, state._launch = plan.num_units, 0, launcher
+    state._launch_key, state._pointers_key = launcher.launch_key, None
     args = (None, None, None, None, "NHD", None, None, None)  # decode's defaults, as the hot path records them
+    hot_args = (None, None, "NHD", None, None)  # (sm_scale, soft cap, layout, window, qo_indptr) as HotCall.launch takes them
     hot = state.hot = HotCall(q, k, v, table, "auto", args, out, None)
 
     class Stream:
         ptr = 0
 
-    hot.get_device, hot.get_stream = (lambda: 0), (lambda: Stream)
+    hot.get_device, hot.get_stream = (lambda: 0), (lambda device: Stream)
     states = PlanStates()
     states.last = state
     PLAN_STATES[id(plan)] = states
     try:
         # the record must take these arguments before decode sees them: were a check to fail,
         # decode's full path would launch a real kernel on the made-up addresses (on a GPU)
-        if hot.launch(state, q, k, v, table, "auto", args, out, False, None) is not out:
+        if hot.launch(state, q, k, v, table, "auto", *hot_args, out, False, None) is not out:
             raise RuntimeError("host_profile --hot-path-cpu: the hot path's record refused its own call")
 
         def median_us(fn):
@@ -247,7 +249,7 @@ def hot_path_cpu(batch: int, ctx: int, calls: int) -> None:
             return statistics.median(times)
 
         for label, fn in (("decode", lambda: cupaged.decode(q, k, v, table, plan, out=out)),
-                          ("HotCall.launch", lambda: hot.launch(state, q, k, v, table, "auto", args, out, False, None)),
+                          ("HotCall.launch", lambda: hot.launch(state, q, k, v, table, "auto", *hot_args, out, False, None)),
                           ("launch_pointers", lambda: state.launch_pointers(1 << 20, 1 << 32, 1 << 36, 1 << 24, None, 0))):
             rounds = [median_us(fn) for _ in range(3)]
             print(f"host us per {label}, Python only (no-op driver, no GPU): median {statistics.median(rounds):.2f} "

@@ -257,3 +257,46 @@ def test_per_layer_scale_and_sink_arrays_with_one_plan(num_kv_heads, monkeypatch
     got = _decode(q, k, v, table, plan, k_scale=scale_d, v_scale=scale_d, sinks=sinks_d)
     check_close(*got, *reference.decode(q_h, k_h, v_h, table, k_scale=scale, v_scale=scale, sinks=sinks), F16)
     assert counts == {"checked": 5, "hot": 8}
+
+
+def test_strided_arrays_of_the_recorded_shapes(monkeypatch):
+    """The record of a call with C-contiguous arrays checks contiguity, not
+    strides: q, caches or out of the same shapes but other strides (views of
+    wider buffers) take the checked path and give the right answer; the
+    record of such a call compares strides, so a second view of those
+    strides is hot and a contiguous one is checked again."""
+    cp = _cp()
+    rng = np.random.default_rng(78)
+    dev, table, host = batch(79, [300, 41, 1700], mid_page=True)
+    q, k, v = dev
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16, target_ctas=10**6)
+    want = reference.decode(*host, table)
+    counts = _count_launches(monkeypatch)
+    for _ in range(2):
+        check_close(*_decode(q, k, v, table, plan), *want, F16)
+    assert counts == {"checked": 1, "hot": 1}
+
+    def strided(a, axis):  # a of a's shape and values, inside a buffer 3 wider along axis
+        shape = list(a.shape)
+        shape[axis] += 3
+        buf = cp.full(shape, np.nan, dtype=a.dtype)
+        view = buf[(slice(None),) * axis + (slice(1, 1 + a.shape[axis]),)]
+        view[...] = a
+        assert view.shape == a.shape and not view.flags.c_contiguous
+        return view
+
+    pages = host[1].shape[0]
+    k2, v2 = make_caches(rng, table, pages, 8, 128, F16)
+    want2 = reference.decode(host[0], k2, v2, table)
+    for args, ref in (((strided(q, 1), k, v), want), ((q, strided(cp.asarray(k2), 1), strided(cp.asarray(v2), 0)), want2)):
+        counts.update(checked=0, hot=0)
+        for _ in range(2):  # checked, then hot (the record of the strided call compares strides)
+            check_close(*_decode(*args, table, plan), *ref, F16)
+        assert counts == {"checked": 1, "hot": 1}
+        check_close(*_decode(q, k, v, table, plan), *want, F16)  # contiguous again: checked
+        assert counts == {"checked": 2, "hot": 1}
+    wide = cp.full((3, 40, 128), np.nan, dtype=cp.float16)
+    counts.update(checked=0, hot=0)
+    res, lse = cupaged.decode(q, k, v, table, plan, out=wide[:, 4:36], return_lse=True)
+    check_close(res.get().astype(np.float64), lse.get().astype(np.float64), *want, F16)
+    assert counts == {"checked": 1, "hot": 0}
