@@ -15,6 +15,7 @@ Exit status: 0 ran, 3 no CUDA GPU (after the plan timings).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import itertools
 import pstats
@@ -396,16 +397,17 @@ def breakdown(cupy, dev, plan, out, timed) -> None:
     timed(lambda: cupy.empty((q.shape[0], q.shape[1]), dtype=np.float32), "piece: cupy.empty of an LSE")
 
 
-def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None:
+def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 10) -> None:
     """Host µs per held-plan decode call on every supported path (issue 17):
     fp16, bf16, fp8 with per-tensor and per-head scales, soft cap, HND,
     return_lse (allocating the LSE, and into a given ``lse``), sinks and a
     sliding window (issue 18), fp8 per-head scales with a new array per layer
     (a model's layers; the plan keeps a hot record per layer), 4 query tokens per request
     (``qo_indptr``; the checked path), and ``DecodeRunner.run`` (checked every call;
-    no graph), first on the legacy default stream, then on a non-blocking one. The paths take
-    turns, ``rounds`` rounds of ``calls / rounds`` calls each, so that a slow
-    stretch of the host (seen: one path 40 % slower in its own block) falls
+    no graph), on the legacy default stream and on a non-blocking one. The
+    paths of both streams take turns, ``rounds`` rounds of ``calls / rounds``
+    calls each, so that a slow stretch of the host (seen: one path 40 %
+    slower in its own block, one stream's paths 30 % slower in theirs) falls
     on every path alike; the line gives the median over all calls and the
     spread of the per-round medians."""
     layout = _common.plan_layout(args.batch, args.ctx, 16, seed=2, mid_page=False, page_order="random")
@@ -434,17 +436,30 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 5) -> None
             cupy.repeat(f16.q, 4, axis=0), f16.k_cache, f16.v_cache, None,
             dict(qo_indptr=np.arange(args.batch + 1, dtype=np.int32) * 4)),
     }
-    for where, stream in (("legacy default stream", None),
-                          ("non-blocking stream", cupy.cuda.Stream(non_blocking=True))):
+    # both streams' paths take turns too (a slow stretch of the host once fell on one stream's block)
+    streams = (("legacy default stream", None), ("non-blocking stream", cupy.cuda.Stream(non_blocking=True)))
+    calls = {}
+    for where, stream in streams:
+        with contextlib.nullcontext() if stream is None else stream:
+            calls[where] = _paths(cupy, np, cupaged, args, f16, cases)
+    times = {(where, label): [] for where in calls for label in calls[where]}
+    per_round = {key: [] for key in times}
+    for _ in range(rounds):
+        for where, stream in streams:
+            with contextlib.nullcontext() if stream is None else stream:
+                for label, fn in calls[where].items():
+                    t = sample(fn, args.calls // rounds)
+                    times[where, label] += t
+                    per_round[where, label].append(statistics.median(t))
+    for where, _ in streams:
         print(f"-- on the {where}")
-        if stream is None:
-            _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases)
-        else:
-            with stream:
-                _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases)
+        for label in calls[where]:
+            r = per_round[where, label]
+            report(times[where, label], label, f"; round medians {min(r):.2f}-{max(r):.2f}")
 
 
-def _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases) -> None:
+def _paths(cupy, np, cupaged, args, f16, cases) -> dict:
+    """``{label: call}`` of every path, made on the current stream."""
     calls = {}
     for name, (q, k, v, kv_dtype, kw) in cases.items():
         plan = cupaged.plan_decode(f16.table, 32, 8, 128, q.dtype, kv_dtype=kv_dtype,
@@ -462,16 +477,7 @@ def _paths(cupy, np, cupaged, args, sample, report, rounds, f16, cases) -> None:
     runner.plan(f16.table)
     out = cupy.empty_like(f16.q)
     calls["DecodeRunner.run, fp16 (checked, no graph)"] = lambda: runner.run(f16.q, f16.k_cache, f16.v_cache, out)
-    times = {label: [] for label in calls}
-    per_round = {label: [] for label in calls}
-    for _ in range(rounds):
-        for label, fn in calls.items():
-            t = sample(fn, args.calls // rounds)
-            times[label] += t
-            per_round[label].append(statistics.median(t))
-    for label in calls:
-        r = per_round[label]
-        report(times[label], label, f"; round medians {min(r):.2f}-{max(r):.2f}")
+    return calls
 
 
 if __name__ == "__main__":
