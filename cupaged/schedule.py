@@ -179,6 +179,14 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
     >>> choose_max_pages_per_chunk(np.array([2048] * 4), 8, 264, 16 * 512, 8)  # 8 chunks each: 256 CTAs
     256
     """
+    return _cap_and_longest(pages, ctas_per_chunk, slots, page_bytes, min_pages, costs)[0]
+
+
+def _cap_and_longest(pages: np.ndarray, ctas_per_chunk: int, slots: int, page_bytes: int, min_pages: int,
+                     costs: StepCosts) -> tuple[int, int]:
+    """``(cap, longest)``: :func:`choose_max_pages_per_chunk`'s cap, and the
+    pages of the longest request (0 for no request), which the model finds
+    anyway and a plan needs too."""
     pages = np.asarray(pages)
     if pages.dtype.kind not in "iu":
         pages = pages.astype(np.int64)
@@ -190,7 +198,7 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
     caps, caps_float, group_ctas, merge, constants = _ladder_setup(
         first, max(1, int(min_pages)), pages.size, ctas_per_chunk, slots, page_bytes, costs)
     t = _step_us(_pool(length[::-1]), group_ctas, caps_float, constants, merge, some_empty=length[0] <= 0)
-    return int(caps[t.argmin()])
+    return int(caps[t.argmin()]), first
 
 
 # --------------------------------------------------------------------------
@@ -199,7 +207,9 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
 class _Constants(NamedTuple):
     """The model's scalars for one device and KV format, as 0-d float64
     arrays: NumPy takes one ~0.1 µs faster than a Python float (no scalar
-    conversion per call), and the values are the same doubles."""
+    conversion per call), and the values are the same doubles. ``cta_alone``
+    and ``one`` may have the shape of the model's arrays instead
+    (:func:`_model_constants`)."""
 
     page_bytes: np.ndarray
     inv_rate: np.ndarray     # µs per byte of a CTA on a full device
@@ -215,44 +225,52 @@ def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _C
              some_empty: bool = True) -> np.ndarray:
     """:func:`predict_step_us` of the groups of :func:`_groups`: ``length``
     ``[G]``, ``group_ctas`` (a group's requests times CTAs per chunk,
-    ``[G, 1]`` or ``[G, K]``), float64 ``caps``, the constants and the
-    ``merge`` term (:func:`_merge_us`) of the caps. ``some_empty=False``
-    promises that every group has a chunk at every cap (lengths > 0, caps
-    finite and >= 1), which makes the at-least-one-chunk pass a no-op.
+    ``[G, 1]`` or ``[G, K]``), float64 ``caps`` (``[K]``, or ``[G, K]``: the
+    same caps on every row), the constants and the ``merge`` term
+    (:func:`_merge_us`) of the caps. ``some_empty=False`` promises that
+    every group has a chunk at every cap (lengths > 0, caps finite and
+    >= 1), which makes the at-least-one-chunk pass a no-op.
 
     The model runs on every default plan (~40 caps x 32 groups), where a
     NumPy call costs more than its elements: each formula is one pass, in
-    place into an array that is not read again. The operations and their
-    operand order are the plain formulas', so the result is bitwise theirs.
+    place into an array that is not read again, over operands of one shape
+    where it can (a broadcast operand costs ~1 µs more a pass). The
+    operations and their operand order are the plain formulas', so the
+    result is bitwise theirs.
     """
     # (locals: an attribute lookup per use would cost ~0.5 µs in all)
     page_bytes, inv_rate, cta_us, slots, inv_slots, hbm_share, cta_alone, one = k
-    length = length[:, None]                                         # [G, 1] against caps [K]
-    per_request = length / caps                                      # [G, K]
+    groups, count = length.shape[0], caps.shape[-1]
+    rows = length.repeat(count).reshape(groups, count)               # each group's length at every cap
+    per_request = rows / caps                                        # [G, K]
     np.ceil(per_request, out=per_request)                            # chunks (0 for an empty request)
     if some_empty:
         np.maximum(per_request, one, out=per_request)
-    unit_bytes = length / per_request
+    unit_bytes = np.divide(rows, per_request, out=rows)
     np.ceil(unit_bytes, out=unit_bytes)
     unit_bytes *= page_bytes                                         # bytes one CTA of the group reads
     ctas = per_request                                               # (chunk counts: not read again)
     ctas *= group_ctas
     # prefix sums by a product with the lower triangle of ones: the CTA counts
     # are whole numbers far below 2**53, so any summation order gives the
-    # same doubles, in ~2 µs less than np.add.accumulate along axis 0
-    n_prefix = np.matmul(_lower_ones(length.shape[0]), ctas)
+    # same doubles, in ~2 µs less than np.add.accumulate along axis 0 (np.dot:
+    # ~0.4 µs less than np.matmul)
+    n_prefix = np.dot(_lower_ones(groups), ctas)
     unit_full = unit_bytes * inv_rate
     unit_full += cta_us                                              # µs of a CTA on a full device
     ctas *= unit_full                                                # (CTA counts: not read again)
-    work = np.add.reduce(ctas, axis=0)
+    # the bound of every prefix (rows 0..G-1) and the work bound (row G),
+    # for one maximum over the rows
+    bounds = np.empty((groups + 1, count))
+    work = np.add.reduce(ctas, axis=0, out=bounds[groups])
     work /= slots
     # every prefix of the CTAs (longest first): its shortest CTAs in full
     # waves, and a partial last wave that runs at the rate of its own count
-    waves = n_prefix * inv_slots
+    waves = np.multiply(n_prefix, inv_slots, out=bounds[:groups])
     np.floor(waves, out=waves)
     rest = waves * slots
     np.subtract(n_prefix, rest, out=rest)
-    partial = rest * hbm_share
+    partial = np.multiply(rest, hbm_share, out=n_prefix)             # (prefix counts: not read again)
     np.maximum(cta_alone, partial, out=partial)
     partial *= unit_bytes
     partial += cta_us
@@ -260,8 +278,7 @@ def _step_us(length: np.ndarray, group_ctas: np.ndarray, caps: np.ndarray, k: _C
     partial *= rest                                                  # (rest: a whole number >= 0)
     waves *= unit_full
     waves += partial
-    bound = np.maximum.reduce(waves, axis=0)
-    np.maximum(bound, work, out=bound)
+    bound = np.maximum.reduce(bounds, axis=0)
     bound += merge
     return bound
 
@@ -283,23 +300,26 @@ def _merge_us(longest: float, caps: np.ndarray, costs: StepCosts) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _model_constants(costs: StepCosts, slots: int, page_bytes: int) -> _Constants:
+def _model_constants(costs: StepCosts, slots: int, page_bytes: int, shape: tuple[int, ...] = ()) -> _Constants:
     """The :class:`_Constants` of a device (``slots``), KV format
-    (``page_bytes``) and cost table; cached."""
-    def const(value) -> np.ndarray:
-        arr = np.array(value, dtype=np.float64)
+    (``page_bytes``) and cost table; ``cta_alone`` and ``one`` filled to
+    ``shape``, that of the model's arrays (np.maximum and np.minimum take an
+    operand of their own shape ~0.6 µs faster than a 0-d one); cached."""
+    def const(value, shape=()) -> np.ndarray:
+        arr = np.full(shape, value, dtype=np.float64)
         arr.flags.writeable = False
         return arr
 
     return _Constants(const(page_bytes), const(1.0 / _rate(costs, slots)), const(costs.cta_us), const(slots),
-                      const(1.0 / slots), const(1e-3 / costs.hbm_gbps), const(1e-3 / costs.cta_gbps), const(1.0))
+                      const(1.0 / slots), const(1e-3 / costs.hbm_gbps), const(1e-3 / costs.cta_gbps, shape),
+                      const(1.0, shape))
 
 
 class _Setup(NamedTuple):
     """What :func:`_ladder_setup` caches."""
 
     caps: np.ndarray         # the ladder, int64 [K]
-    caps_float: np.ndarray   # and as float64
+    caps_float: np.ndarray   # and as float64, on every row: [G, K]
     group_ctas: np.ndarray   # [G, K]
     merge: np.ndarray        # [K]
     constants: _Constants
@@ -313,11 +333,14 @@ def _ladder_setup(first: int, min_pages: int, batch: int, ctas_per_chunk: int, s
     (``first`` pages, 0 too), the batch size, the shapes and the device, so
     one cached lookup replaces ~8 small NumPy calls a plan. Read-only."""
     caps, caps_float = _ladder(max(1, first), min_pages)
-    # repeated along the caps: a broadcast operand costs ~0.6 µs more a pass
-    group_ctas = np.repeat((_cuts(batch)[1] * ctas_per_chunk)[:, None], caps.size, axis=1)
+    # repeated along the caps (and the caps along the groups): a broadcast
+    # operand costs ~0.6 µs more a pass
+    weight = _cuts(batch)[1]
+    group_ctas = np.repeat((weight * ctas_per_chunk)[:, None], caps.size, axis=1)
+    caps_rows = np.repeat(caps_float[None, :], weight.size, axis=0)
     merge = _merge_us(np.float64(first), caps_float, costs)
-    group_ctas.flags.writeable = merge.flags.writeable = False
-    return _Setup(caps, caps_float, group_ctas, merge, _model_constants(costs, slots, page_bytes))
+    group_ctas.flags.writeable = caps_rows.flags.writeable = merge.flags.writeable = False
+    return _Setup(caps, caps_rows, group_ctas, merge, _model_constants(costs, slots, page_bytes, caps_rows.shape))
 
 
 #: Requests the model keeps one by one (the longest); the rest it pools into
