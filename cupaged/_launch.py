@@ -242,6 +242,8 @@ class PartialLaunch:
     shared by its launches, in stream order); :attr:`lock` serializes
     threads."""
 
+    _held = 1 << 30  # the loaded plan's CTAs per SM (DecodePlan.ctas_per_sm; none loaded: no hold of its own)
+
     def __init__(self, variant: str, num_qo_heads: int, num_kv_heads: int, head_dim: int, heads_per_cta: int,
                  page_size: int, max_batch: int, max_units: int, max_pages: int, family: str = "partial"):
         import cupy
@@ -328,6 +330,7 @@ class PartialLaunch:
             event = self._events[i] = cupy.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         self.table, self.units = table, units.shape[0]
+        self._held = plan.ctas_per_sm
         self._units_smem = self._smem_for(self.units * self.heads_groups)  # (once here, not per launch_pointers)
         self._pointers_key = None
 
@@ -369,9 +372,10 @@ class PartialLaunch:
 
     def _smem_for(self, ctas: int) -> int:
         """The dynamic shared memory a grid of ``ctas`` CTAs launches with
-        (see :func:`residency_smem`)."""
+        (see :func:`residency_smem`): at most the loaded plan's CTAs per SM,
+        the instance's count, and what spreads the grid evenly."""
         at = self._smem_at
-        return at[min(-(-ctas // self._sms), len(at) - 1)]
+        return at[min(-(-ctas // self._sms), self._held, len(at) - 1)]
 
     def launch_pointers(self, q: int, k: int, v: int, out: int, lse: int | None, stream: int) -> None:
         """Launches the image's units on ``stream`` with new array pointers,

@@ -66,6 +66,9 @@ def check_plan_structure(plan) -> None:
             or plan.q_groups * plan.heads_per_cta != plan.group_size or hg != plan.num_kv_heads * plan.q_groups):
         bad(f"heads (qo {plan.num_qo_heads}, kv {plan.num_kv_heads}, group {plan.group_size}, per CTA "
             f"{plan.heads_per_cta}, q_groups {plan.q_groups}, heads_groups {hg}) do not multiply out")
+    held = getattr(plan, "ctas_per_sm", None)  # (absent from a plan pickled before the field)
+    if not (isinstance(held, (int, np.integer)) and not isinstance(held, bool) and held >= 1):
+        bad(f"ctas_per_sm {held!r} is not a positive int")
     counts = np.asarray(plan.request_chunks, dtype=np.int64)
     units = n if plan.group_last is None else _check_row_groups(plan, counts, bad)
     if plan.num_ctas != units * hg or tuple(plan.grid) != (units * hg, 1, 1):

@@ -454,9 +454,17 @@ class DecodePlan:
       request; its rows share the last row's split (``request_chunks``,
       ``request_chunk_pages``), and one CTA per chunk reads the chunk's K/V
       once for all of them (the kernel's ``paged_decode_rows``).
+    * ``ctas_per_sm``: the most CTAs per SM the plan's launches put on an
+      SM (the grid is sized for them; with programmatic dependent launch,
+      sm_90+ tensor-core instances, the launch holds each SM to them through
+      its dynamic shared memory). The kernel instance's count
+      (:func:`ctas_per_sm`), or fewer where the step model predicts the
+      step faster so (fp8's instances fit 3 per SM; the default plan weighs 3
+      against 2, :func:`cupaged.schedule.choose_cap_and_residency`).
     * ``request_chunk_pages``, ``launch_order``, ``heads_groups``,
-      ``group_last`` (above) are optional when constructing: a uniform split
-      of ``pages_per_chunk`` pages in chunk order, no row groups.
+      ``group_last``, ``ctas_per_sm`` (above) are optional when
+      constructing: a uniform split of ``pages_per_chunk`` pages in chunk
+      order, no row groups, the instance's CTAs per SM.
 
     Methods: :meth:`matches` (can this plan serve a new table?),
     :meth:`chunk_page_ranges` and :meth:`chunk_token_ranges` (each chunk's
@@ -510,6 +518,7 @@ class DecodePlan:
     launch_order: Any = dataclasses.field(default=None, repr=False)
     heads_groups: int = 0
     group_last: Any = dataclasses.field(default=None, repr=False)
+    ctas_per_sm: int = 0
 
     def __post_init__(self) -> None:
         # optional when constructing: a uniform split in chunk order
@@ -529,6 +538,11 @@ class DecodePlan:
                            else canonical_kv_dtype(self.kv_dtype))
         object.__setattr__(self, "deterministic", bool(self.deterministic))
         object.__setattr__(self, "grid", tuple(int(v) for v in self.grid))
+        held = int(self.ctas_per_sm) if self.ctas_per_sm else ctas_per_sm(
+            self.dtype, self.kv_dtype, int(self.head_dim), int(self.heads_per_cta))
+        if held < 1:
+            raise InvalidArgumentError(f"ctas_per_sm must be >= 1 (0: the kernel's count), got {self.ctas_per_sm}")
+        object.__setattr__(self, "ctas_per_sm", held)
 
     @classmethod
     def _from_plan_decode(cls, fields: dict[str, Any]) -> DecodePlan:
@@ -781,7 +795,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     group_last = _row_groups(ptr, dt, kv_dt, d, hpc) if ptr is not None and group_tokens else None
     if group_last is not None:
         pages = pages[group_last]  # a row splits as its group's last row
-    target, chunk_pages, req_chunks, units, longest_chunk = _grouped_chunking(
+    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
         pages, group_last, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk,
         max_pages_per_chunk, target_ctas, num_sms)
     # chunks: the units unless row groups share them (an int32 sum comes back as int64: no overflow)
@@ -814,6 +828,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         "kv_dtype": kv_dt,
         "deterministic": bool(deterministic),
         "group_last": group_last,
+        "ctas_per_sm": held,
     })
 
 
@@ -915,26 +930,28 @@ def rows_form_groups(table: Any, group_last: np.ndarray) -> bool:
 
 
 def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None,
-                      *args) -> tuple[int, np.ndarray, np.ndarray, int, int]:
+                      *args) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
     """:func:`_chunking` (``args`` after ``pages``); with row groups
     (``pages`` already each row's group's) each group is planned once, as
     one request, and its rows take its split (the units stay the groups')."""
     if group_last is None:
         return _chunking(pages, *args)
     lead = group_leaders(group_last)
-    target, chunk_pages, req_chunks, units, longest = _chunking(pages[lead], *args)
+    target, chunk_pages, req_chunks, units, longest, held = _chunking(pages[lead], *args)
     of_group = np.cumsum(lead) - 1
-    return target, chunk_pages[of_group], req_chunks[of_group], units, longest
+    return target, chunk_pages[of_group], req_chunks[of_group], units, longest, held
 
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
               deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-              target_ctas: int | None, num_sms: int | None) -> tuple[int, np.ndarray, np.ndarray, int, int]:
-    """``(target_ctas, chunk_pages, chunks, units, longest)`` of
+              target_ctas: int | None, num_sms: int | None) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
+    """``(target_ctas, chunk_pages, chunks, units, longest, ctas_per_sm)`` of
     :func:`plan_decode` (its arguments already checked): the CTA target,
     each request's chunk size and count (in the dtype of ``pages``), the
-    chunk count in all and the largest chunk size."""
+    chunk count in all, the largest chunk size and the CTAs per SM the
+    launches hold to."""
     target, sms = _target_and_sms(target_ctas, num_sms)
+    held = ctas_per_sm(dt, kv_dt, d, hpc)
     longest_request = None
     if pages_per_chunk is not None:
         c = pages_per_chunk
@@ -945,14 +962,13 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     elif sms is None:  # an explicit target (argument or env): the plain search
         c = choose_pages_per_chunk(pages, grid_y, target)
     else:
-        slots = ctas_per_sm(dt, kv_dt, d, hpc) * sms
         page_bytes = page_size * 2 * d * kv_dt.itemsize
-        max_pages_per_chunk, longest_request = schedule._cap_and_longest(
-            pages, grid_y, slots, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), schedule.costs_for(kv_dt.itemsize))
+        held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
+            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize)
         c = None
     if c is None:
-        return (target, *_split(pages, max_pages_per_chunk, True, longest_request))
-    return (target, *_split(pages, c, False, longest_request))
+        return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)
+    return (target, *_split(pages, c, False, longest_request), held)
 
 
 def _split(pages: np.ndarray, cap: int, balanced: bool,

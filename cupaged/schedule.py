@@ -40,8 +40,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_FP8", "costs_for", "split_pages", "candidate_caps", "predict_step_us",
-           "choose_max_pages_per_chunk"]
+__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_FP8", "H200_COSTS_FP8_2", "costs_for", "residency_choices",
+           "split_pages", "candidate_caps", "predict_step_us", "choose_max_pages_per_chunk", "choose_cap_and_residency"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,15 +83,42 @@ H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0
 #: sets the per-CTA share of a full device, not a rate any kernel reaches.)
 H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us=9.0, merge_us_per_chunk=0.3)
 
+#: fp8 with the launches held to 2 CTAs per SM (the plan's ``ctas_per_sm``):
+#: the chunk sweep of the ragged family at 2 per SM
+#: (docs/benchmarks/chunk-sweep-ragged-fp8-2cta-h200-2026-12-02-half0.csv,
+#: ``chunk_sweep.py --ctas-per-sm 2``), fitted jointly with the 3-per-SM
+#: constants above: the planner takes the count whose best cap the model
+#: predicts faster, and the fit minimizes the regret of that choice against
+#: the best knob of either count (hbm, cta_gbps and cta_us fitted; the merge
+#: shared). One CTA streams fp8 at ~18.5 GB/s beside one other (14 beside
+#: two: they share the SM's widening to f16), so mid-sized ragged grids run
+#: faster at 2 per SM and full devices at 3. docs/architecture.md has the
+#: per-cell table.
+H200_COSTS_FP8_2 = StepCosts(hbm_gbps=4600.0, cta_gbps=18.5, cta_us=4.25, merge_us=9.0, merge_us_per_chunk=0.3)
 
-def costs_for(kv_itemsize: int) -> StepCosts:
+
+def costs_for(kv_itemsize: int, ctas_per_sm: int | None = None) -> StepCosts:
     """The step model's constants for a KV cache of ``kv_itemsize`` bytes per
-    element: fp8 (1) has its own; 16-bit and float32 share fp16's.
+    element at ``ctas_per_sm`` CTAs per SM (None: the kernel's count): fp8
+    (1) has its own, at 3 and at 2 per SM; 16-bit and float32 share fp16's.
 
-    >>> costs_for(1) is H200_COSTS_FP8, costs_for(2) is H200_COSTS
-    (True, True)
+    >>> costs_for(1) is H200_COSTS_FP8, costs_for(1, 2) is H200_COSTS_FP8_2, costs_for(2) is H200_COSTS
+    (True, True, True)
     """
-    return H200_COSTS_FP8 if kv_itemsize == 1 else H200_COSTS
+    if kv_itemsize != 1:
+        return H200_COSTS
+    return H200_COSTS_FP8_2 if ctas_per_sm == 2 else H200_COSTS_FP8
+
+
+def residency_choices(kv_itemsize: int, resident: int) -> tuple[int, ...]:
+    """The CTAs-per-SM counts a default plan weighs, most first: the
+    kernel's count ``resident``, and 2 for fp8 instances that fit 3 (the
+    counts the model has constants for).
+
+    >>> residency_choices(1, 3), residency_choices(2, 2), residency_choices(1, 2)
+    ((3, 2), (2,), (2,))
+    """
+    return (3, 2) if kv_itemsize == 1 and resident == 3 else (resident,)
 
 
 #: Even splits of the longest request that the candidate ladder lists one by one.
@@ -187,18 +214,51 @@ def _cap_and_longest(pages: np.ndarray, ctas_per_chunk: int, slots: int, page_by
     """``(cap, longest)``: :func:`choose_max_pages_per_chunk`'s cap, and the
     pages of the longest request (0 for no request), which the model finds
     anyway and a plan needs too."""
+    length, first = _sorted_lengths(pages)
+    caps, caps_float, group_ctas, merge, constants = _ladder_setup(
+        first, max(1, int(min_pages)), length.size, ctas_per_chunk, slots, page_bytes, costs)
+    t = _step_us(_pool(length[::-1]), group_ctas, caps_float, constants, merge, some_empty=length[0] <= 0)
+    return int(caps[t.argmin()]), first
+
+
+def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, resident: int, page_bytes: int,
+                             min_pages: int, kv_itemsize: int) -> tuple[int, int, int]:
+    """``(ctas_per_sm, cap, longest)``: over the CTAs-per-SM counts of
+    :func:`residency_choices` (each with its own constants and ``count *
+    sms`` slots), the count and chunk cap of least predicted step time (the
+    most CTAs per SM among ties), and the longest request's pages. One
+    count: :func:`choose_max_pages_per_chunk`'s cap.
+
+    >>> choose_cap_and_residency(np.array([2048] * 4), 8, 132, 2, 16 * 512, 8, 2)[:2]
+    (2, 256)
+    """
+    length, first = _sorted_lengths(pages)
+    pooled, some_empty = _pool(length[::-1]), length[0] <= 0
+    best = None
+    for count in residency_choices(kv_itemsize, resident):
+        caps, caps_float, group_ctas, merge, constants = _ladder_setup(
+            first, max(1, int(min_pages)), length.size, ctas_per_chunk, count * sms, page_bytes,
+            costs_for(kv_itemsize, count))
+        t = _step_us(pooled, group_ctas, caps_float, constants, merge, some_empty=some_empty)
+        i = t.argmin()
+        if best is None or t[i] < best[0]:
+            best = (t[i], count, int(caps[i]))
+    return best[1], best[2], first
+
+
+def _sorted_lengths(pages) -> tuple[np.ndarray, int]:
+    """``(length, longest)``: the page counts as float64 in ascending order
+    (one sort: the model's length order, and the longest request), and the
+    longest's pages as an int (0 for no request)."""
     pages = np.asarray(pages)
     if pages.dtype.kind not in "iu":
         pages = pages.astype(np.int64)
     length = pages.astype(np.float64)
-    length.sort()  # one sort: the model's length order, and the longest request
+    length.sort()
     first = int(length[-1]) if length.size else 0
     if first >= 2**53:  # (a float64 holds every page count below 2**53 exactly)
         first = int(pages.max())
-    caps, caps_float, group_ctas, merge, constants = _ladder_setup(
-        first, max(1, int(min_pages)), pages.size, ctas_per_chunk, slots, page_bytes, costs)
-    t = _step_us(_pool(length[::-1]), group_ctas, caps_float, constants, merge, some_empty=length[0] <= 0)
-    return int(caps[t.argmin()]), first
+    return length, first
 
 
 # --------------------------------------------------------------------------

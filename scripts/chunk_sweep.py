@@ -6,6 +6,7 @@ against the best chunking found.
     python3 scripts/chunk_sweep.py --csv OUT/chunks.csv                 # uniform + ragged cells
     python3 scripts/chunk_sweep.py --cells 1x131072 4x32768x16x32x8x128 --no-ragged
     python3 scripts/chunk_sweep.py --lengths 64:onelong:131072:512 --kv-dtype fp8
+    python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --check-against SWEEP.csv ...  # the planner check, re-timed
 
 A uniform cell is ``BATCHxCTX[xPAGExHQxHKVxD]`` (default page 16, 32 q / 8 kv
 heads, head_dim 128). A ragged cell is ``BATCH:DISTRIBUTION[:SEED]`` with the
@@ -22,7 +23,12 @@ every even split of the longest request into 1-32 chunks, then steps of a
 quarter octave down to 4 pages; ``uniform``: every request in chunks
 of N pages (``pages_per_chunk=N``), N a power of two; ``default``: the plan
 ``plan_decode`` picks; ``request_order``: the default's chunks launched in
-request order instead of longest first. Each row carries the model's prediction.
+request order instead of longest first. Each row carries the model's prediction
+(at the plan's CTAs per SM) and the plan's ``ctas_per_sm``. ``--check-against``
+times, instead of every knob, the best ``cap``/``uniform`` knob of earlier
+sweeps at each CTAs-per-SM count they ran at (knob ``cap@2``: held to 2 per
+SM), beside the default: the planner check in one run, free of the few
+percent by which separate runs differ.
 
 The summary gives, per cell, the default's time against the best knob
 (``regret`` = default / best - 1). Exit status: 0 ran, 2 bad arguments, 3 no
@@ -120,7 +126,7 @@ def held_ctas_per_sm(plan) -> int | None:
     from cupaged._plan_launch import plan_states
 
     states = plan_states(plan) or {}
-    return max((len(s._smem_at) - 1 for s in states.values()), default=None)
+    return max((min(len(s._smem_at) - 1, s._held) for s in states.values()), default=None)
 
 
 def parse_args(argv=None):
@@ -140,8 +146,30 @@ def parse_args(argv=None):
     p.add_argument("--ctas-per-sm", type=int, default=None,
                    help="a what-if: plan for and hold every launch to at most N CTAs per SM (tensor-core "
                         "instances with programmatic dependent launch, sm_90+); default the planner's count")
+    p.add_argument("--check-against", nargs="+", default=None, metavar="CSV",
+                   help="the planner check, re-timed in one run: per cell the default plan against the best "
+                        "cap or uniform knob of these sweeps (--csv files) at each CTAs-per-SM count they ran "
+                        "at (a file without the column: the planner's count), instead of every knob")
     p.add_argument("--csv", default=None, help="write every timed row to this CSV file")
     return p.parse_args(argv)
+
+
+def best_knobs(paths: list, cell: str) -> list:
+    """``[(knob, value, ctas_per_sm)]``: per CTAs-per-SM count in the sweeps
+    ``paths`` (None: a file without the column, run at the planner's count),
+    the fastest ``cap`` or ``uniform`` row of ``cell``."""
+    import csv
+
+    best: dict = {}
+    for path in paths:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if row["cell"] != cell or row["knob"] not in ("cap", "uniform"):
+                    continue
+                held = int(row["ctas_per_sm"]) if row.get("ctas_per_sm") else None
+                if held not in best or float(row["us"]) < best[held][0]:
+                    best[held] = (float(row["us"]), row["knob"], int(row["value"]))
+    return [(knob, value, held) for held, (_, knob, value) in best.items()]
 
 
 def _cells(args):
@@ -197,12 +225,18 @@ def main(argv=None) -> int:
                  # the same chunks in request order instead of longest first (the LPT A/B)
                  ("request_order", default.pages_per_chunk): dataclasses.replace(
                      default, launch_order=np.arange(default.num_chunks))}
-        chosen = list(knobs(int(pages.max())))
+        if args.check_against is not None:  # each sweep's best knob per CTAs-per-SM count, timed beside the default
+            chosen = best_knobs(args.check_against, name)
+        else:
+            chosen = [(knob, value, None) for knob, value in knobs(int(pages.max()))]
         if args.quick is not None:
             chosen = chosen[args.quick::2]
-        for knob, value in chosen:
+        for knob, value, held in chosen:
             kw = {"max_pages_per_chunk": value} if knob == "cap" else {"pages_per_chunk": value}
             plan = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype, **kw)
+            if held is not None and held < plan.ctas_per_sm:
+                plan = dataclasses.replace(plan, ctas_per_sm=held)
+                knob = f"{knob}@{held}"
             if plan.num_ctas <= 400_000:
                 plans[(knob, value)] = plan
         slots = ctas_per_sm(np.dtype(np.float16), default.kv_dtype, d, default.heads_per_cta) * resolve_num_sms()
@@ -225,21 +259,23 @@ def main(argv=None) -> int:
                   "table: a CUDA-core instance, CUPAGED_PDL=0 or a GPU before sm_90)", file=sys.stderr)
             return 1
         min_pages = -(-128 // page)
-        costs = schedule.costs_for(1 if fp8 else 2)
-        default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, slots, page_bytes, min_pages,
-                                                          costs)
+        held_slots = default.ctas_per_sm * resolve_num_sms()  # the default's count (fp8: 3 or 2 per SM)
+        default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, held_slots, page_bytes,
+                                                          min_pages, schedule.costs_for(1 if fp8 else 2,
+                                                                                        default.ctas_per_sm))
         for (knob, value), plan in plans.items():
-            if knob in ("cap", "default", "request_order"):
+            if knob in ("cap", "default", "request_order"):  # (the model at the plan's own count)
                 cap = value if knob == "cap" else default_cap
-                model = float(schedule.predict_step_us(pages, np.array([cap]), plan.heads_groups, slots,
-                                                       page_bytes, costs)[0])
+                model = float(schedule.predict_step_us(pages, np.array([cap]), plan.heads_groups,
+                                                       plan.ctas_per_sm * resolve_num_sms(), page_bytes,
+                                                       schedule.costs_for(1 if fp8 else 2, plan.ctas_per_sm))[0])
             else:
                 model = float("nan")
             us = float(np.median(times[(knob, value)]))
             row = dict(cell=name, batch=batch, kv_dtype=args.kv_dtype, knob=knob, value=value,
                        num_chunks=plan.num_chunks, num_ctas=plan.num_ctas, model_us=round(model, 2),
                        us_round1=round(times[(knob, value)][0], 2), us_round2=round(times[(knob, value)][-1], 2),
-                       us=round(us, 2), default=int(knob == "default"), ctas_per_sm=slots // resolve_num_sms())
+                       us=round(us, 2), default=int(knob == "default"), ctas_per_sm=plan.ctas_per_sm)
             rows.append(row)
             print(",".join(str(row[k]) for k in COLUMNS), flush=True)
         best_key = min(times, key=lambda k: float(np.median(times[k])))

@@ -60,6 +60,9 @@ def test_launch_shared_memory_follows_the_grid():
     state = object.__new__(_launch.PartialLaunch)
     state._sms, state._smem_at = 132, (115712, 115712, 76800)
     assert [state._smem_for(n) for n in (1, 131, 132, 133, 264, 265, 10**6)] == [115712] * 3 + [76800] * 4
+    state._held = 1  # a plan held to 1 CTA per SM (DecodePlan.ctas_per_sm): one per SM whatever the grid
+    assert [state._smem_for(n) for n in (1, 133, 10**6)] == [115712] * 3
+    del state._held
     state._smem_at = (0,)  # no PDL: the core's own dynamic shared memory, whatever the grid
     assert state._smem_for(1) == state._smem_for(10**6) == 0
 

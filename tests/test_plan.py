@@ -816,3 +816,45 @@ def test_fp8_plans_count_three_ctas_per_sm_and_their_own_constants():
     assert int(fp8.request_chunk_pages[0]) <= want and int(fp8.request_chunk_pages[0]) == int(
         schedule.split_pages(pages[:1], want)[0][0])
     assert fp8.request_chunks[0] > fp16.request_chunks[0]
+
+
+# ----------------------------------------------------- CTAs per SM (fp8: 3 or 2)
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_default_plan_takes_the_residency_the_model_predicts_faster(seed, monkeypatch):
+    """fp8's instances fit 3 CTAs per SM; the default plan weighs 3 against 2
+    (each with its constants and slots) and takes the count whose best cap
+    the model predicts faster, with that cap; 16-bit plans have one count."""
+    monkeypatch.delenv("CUPAGED_CORE", raising=False)
+    rng = np.random.default_rng(seed)
+    lens = rng.lognormal(np.log(rng.choice([256, 2048, 16384])), 1.0, int(rng.choice([8, 32, 64, 128]))).astype(int) + 1
+    table = PageTable.from_seq_lens(lens.tolist(), 16)
+    pages = np.asarray(table.request_pages)
+    predicted = {}
+    for count in (3, 2):
+        costs, slots = schedule.costs_for(1, count), count * 132
+        cap = schedule.choose_max_pages_per_chunk(pages, 8, slots, 16 * 2 * 128, 8, costs)
+        predicted[count] = (float(schedule.predict_step_us(pages, np.array([cap]), 8, slots, 16 * 2 * 128, costs)[0]),
+                            cap)
+    plan = plan_decode(table, 32, 8, 128, np.float16, kv_dtype=FP8, num_sms=132)
+    want = 3 if predicted[3][0] <= predicted[2][0] else 2
+    assert plan.ctas_per_sm == want
+    assert plan_decode(table, 32, 8, 128, np.float16, kv_dtype=FP8, num_sms=132,
+                       max_pages_per_chunk=predicted[want][1]).request_chunks.tolist() == plan.request_chunks.tolist()
+    assert plan_decode(table, 32, 8, 128, np.float16, num_sms=132).ctas_per_sm == 2  # fp16: the kernel's 2
+
+
+def test_ctas_per_sm_of_explicit_and_hand_built_plans():
+    """Plans whose split the caller chose run at the kernel's count; a
+    hand-built plan (or one from dataclasses.replace with 0) gets it too; a
+    count below 1 is refused."""
+    table = PageTable.from_seq_lens([4000, 300, 17], 16)
+    fixed = plan_decode(table, 32, 8, 128, np.float16, kv_dtype=FP8, pages_per_chunk=8)
+    assert fixed.ctas_per_sm == plan_mod.ctas_per_sm(np.dtype(np.float16), FP8, 128, fixed.heads_per_cta) == 3
+    assert plan_decode(table, 32, 8, 128, np.float16, kv_dtype=FP8, deterministic=True).ctas_per_sm == 3
+    assert dataclasses.replace(fixed, ctas_per_sm=0).ctas_per_sm == 3
+    assert dataclasses.replace(fixed, ctas_per_sm=2).ctas_per_sm == 2
+    with pytest.raises(InvalidArgumentError, match="ctas_per_sm"):
+        dataclasses.replace(fixed, ctas_per_sm=-1)

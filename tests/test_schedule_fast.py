@@ -122,12 +122,21 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
         c = deterministic_pages_per_chunk(page_size)
     elif target_ctas is not None or cupaged._env.target_ctas() is not None:
         c = choose_pages_per_chunk(pages, grid_y, target)
-    else:
-        slots = ctas_per_sm(dt, kv_dt, d, hpc) * resolve_num_sms(num_sms)
+    held = ctas_per_sm(dt, kv_dt, d, hpc)
+    if c is None and max_pages_per_chunk is None:  # the step model's plan
+        sms = resolve_num_sms(num_sms)
         page_bytes = page_size * 2 * d * kv_dt.itemsize
-        costs = schedule.H200_COSTS_FP8 if kv_dt.itemsize == 1 else H200_COSTS  # fp8 has its own constants
-        max_pages_per_chunk = ref_choose_max_pages_per_chunk(pages, grid_y, slots, page_bytes,
-                                                             -(-MIN_CHUNK_TOKENS // page_size), costs)
+        best = None
+        # fp8 instances that fit 3 CTAs per SM weigh 2 as well, each count with its constants
+        for count in ((3, 2) if kv_dt.itemsize == 1 and held == 3 else (held,)):
+            costs = (schedule.H200_COSTS_FP8_2 if count == 2 else schedule.H200_COSTS_FP8) \
+                if kv_dt.itemsize == 1 else H200_COSTS
+            cap = ref_choose_max_pages_per_chunk(pages, grid_y, count * sms, page_bytes,
+                                                 -(-MIN_CHUNK_TOKENS // page_size), costs)
+            t = ref_predict_step_us(pages, np.array([cap]), grid_y, count * sms, page_bytes, costs)[0]
+            if best is None or t < best[0]:
+                best = (t, count, cap)
+        _, held, max_pages_per_chunk = best
     if c is None:
         chunk_pages, req_chunks = ref_split_pages(pages, max_pages_per_chunk)
         chunk_pages = np.where(req_chunks == 1, max_pages_per_chunk, chunk_pages)  # unsplit: the cap
@@ -156,7 +165,7 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
         num_ctas=n * grid_y, grid=(n * grid_y, 1, 1), needs_merge=needs_merge,
         workspace_bytes=(n * hq * d + n * hq) * 4 if needs_merge else 0, kv_dtype=kv_dt,
         deterministic=bool(deterministic), request_chunk_pages=frozen(chunk_pages),
-        launch_order=frozen(launch_order), heads_groups=grid_y, group_last=None)
+        launch_order=frozen(launch_order), heads_groups=grid_y, group_last=None, ctas_per_sm=held)
 
 
 def plan_differences(plan, want) -> list[str]:
