@@ -133,7 +133,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", nargs="*", type=parse_cell, default=None,
-                   help="uniform cells BATCHxCTX[xPAGExHQxHKVxD] (default: a ladder of 11 fp16 cells)")
+                   help="uniform cells BATCHxCTX[xPAGExHQxHKVxD] (default: a ladder of 11 cells, "
+                        "none when only --lengths is given)")
     p.add_argument("--lengths", nargs="*", type=parse_ragged, default=None,
                    help="ragged cells BATCH:DISTRIBUTION[:SEED] (default: the ragged family)")
     p.add_argument("--no-ragged", action="store_true", help="skip the ragged family (when --lengths is not given)")
@@ -173,7 +174,13 @@ def best_knobs(paths: list, cell: str) -> list:
 
 
 def _cells(args):
-    uniform = args.cells if args.cells is not None else [parse_cell(c) for c in CELLS]
+    """``(name, shape, ragged)`` per cell: the uniform cells of ``--cells``
+    (default the ladder ``CELLS``, unless only ``--lengths`` is given), then
+    the ragged ones (default the ragged family, unless ``--no-ragged``)."""
+    if args.cells is not None:
+        uniform = args.cells
+    else:
+        uniform = [] if args.lengths is not None else [parse_cell(c) for c in CELLS]
     for batch, ctx, page, hq, hkv, d in uniform:
         yield f"{batch}x{ctx}", (batch, ctx, page, hq, hkv, d), None
     ragged = args.lengths

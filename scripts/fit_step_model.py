@@ -6,8 +6,15 @@ cap the model picks and its measured regret against the best knob timed.
     python3 scripts/fit_step_model.py docs/benchmarks/chunk-sweep-h200-2026-12-01.csv
     python3 scripts/fit_step_model.py SWEEP.csv --check      # today's constants, no fit
     python3 scripts/fit_step_model.py HALF0.csv HALF1.csv     # two halves of one ladder (--quick 0 / 1)
+    python3 scripts/fit_step_model.py HALF0.csv HALF1.csv --two-per-sm SWEEP2.csv --min-pages 8
+                                                              # fp8's 2-per-SM constants, fitted jointly
 
 Sweeps of fp8 cells only fit (and --check) fp8's constants at 3 CTAs per SM.
+``--two-per-sm`` (fp8): with the 3-per-SM constants as shipped, fits the 2-per-SM ones
+(``schedule.H200_COSTS_FP8_2``; hbm, cta_gbps and cta_us, the merge shared) on a sweep
+run with ``chunk_sweep.py --ctas-per-sm 2``, minimizing the regret of the planner's
+choice: the count whose best cap the model predicts faster, its measured µs against the
+best knob of either count.
 
 The fit minimizes the mean regret of the picked caps (the planner's job),
 plus a small weight on the model's log error over every timed cap, by
@@ -136,12 +143,66 @@ def fit(cells, start: schedule.StepCosts, slots: int, min_pages: int, sweeps: in
     return best
 
 
+JOINT_FIELDS = ("hbm_gbps", "cta_gbps", "cta_us")  # the merge is the same kernel code at either count
+
+
+def _pick(cell: Cell, costs: schedule.StepCosts, slots: int, min_pages: int) -> tuple[float, int, float, float]:
+    """``(predicted µs, cap, measured µs, model log-error)`` of the cap the
+    model picks among the cell's timed caps."""
+    ok = cell.caps >= min(min_pages, int(cell.pages.max()))
+    caps, us = cell.caps[ok], cell.us[ok]
+    model = schedule.predict_step_us(cell.pages, caps, cell.ctas_per_chunk, slots, cell.page_bytes, costs)
+    i = int(np.argmin(model))
+    return float(model[i]), int(caps[i]), float(us[i]), float(np.std(np.log(model / us)))
+
+
+def joint_regrets(three: list[Cell], two: dict, costs3, costs2, min_pages: int, sms: int = 132) -> list[tuple]:
+    """Per cell of ``three`` that ``two`` has: ``(name, count, cap, µs, best
+    of either count, regret, 2-per-SM log-error)`` of the planner's choice
+    between 3 and 2 CTAs per SM (3 on ties)."""
+    out = []
+    for c3 in three:
+        c2 = two.get(c3.name)
+        if c2 is None:
+            continue
+        p3, cap3, u3, _ = _pick(c3, costs3, 3 * sms, min_pages)
+        p2, cap2, u2, err2 = _pick(c2, costs2, 2 * sms, min_pages)
+        count, cap, us = (2, cap2, u2) if p2 < p3 else (3, cap3, u3)
+        best = min(c3.best, c2.best)
+        out.append((c3.name, count, cap, us, best, us / best - 1, err2))
+    return out
+
+
+def fit_two_per_sm(three: list[Cell], two: dict, costs3, start, min_pages: int, sweeps: int = 4):
+    """The 2-per-SM constants (``JOINT_FIELDS`` free) that minimize the
+    joint choice's loss (as :func:`loss`: mean + half the worst regret + a
+    small weight on the 2-per-SM model's log-error)."""
+    def value(costs2) -> float:
+        r = joint_regrets(three, two, costs3, costs2, min_pages)
+        return float(np.mean([x[5] for x in r]) + 0.5 * max(x[5] for x in r) + LOG_WEIGHT * np.mean([x[6] for x in r]))
+
+    best, best_loss = start, value(start)
+    for _ in range(sweeps):
+        for field in JOINT_FIELDS:
+            for v in GRID[field]:
+                trial = dataclasses.replace(best, **{field: float(v)})
+                if trial.cta_gbps * 2 * 132 < trial.hbm_gbps:
+                    continue
+                trial_loss = value(trial)
+                if trial_loss < best_loss - 1e-12:
+                    best, best_loss = trial, trial_loss
+    return best
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("csv", nargs="+", help="chunk-sweep CSV files (scripts/chunk_sweep.py --csv)")
     p.add_argument("--check", action="store_true", help="report today's constants without fitting")
     p.add_argument("--min-pages", type=int, default=4,
                    help="smallest cap the planner considers, in pages of 16 tokens")
+    p.add_argument("--two-per-sm", nargs="+", default=None, metavar="CSV",
+                   help="fp8: fit the 2-per-SM constants jointly on this sweep (chunk_sweep.py --ctas-per-sm 2), "
+                        "the 3-per-SM ones as shipped (with --check: report the shipped pair)")
     p.add_argument("--slots", type=int, default=None,
                    help="resident CTAs on the device (default: 2 per SM x 132 SMs; fp8 sweeps 3 per SM)")
     args = p.parse_args(argv)
@@ -150,6 +211,17 @@ def main(argv=None) -> int:
     start = schedule.H200_COSTS_FP8 if fp8 else schedule.H200_COSTS
     if args.slots is None:
         args.slots = (3 if fp8 else 2) * 132
+    if args.two_per_sm is not None:
+        two = {c.name: c for c in load(args.two_per_sm)}
+        costs2 = schedule.H200_COSTS_FP8_2 if args.check else fit_two_per_sm(
+            cells, two, schedule.H200_COSTS_FP8, schedule.H200_COSTS_FP8, args.min_pages)
+        print(costs2)
+        rows = joint_regrets(cells, two, schedule.H200_COSTS_FP8, costs2, args.min_pages)
+        for name, count, cap, us, best, regret, _ in rows:
+            print(f"{name:28s} {count} per SM, cap {cap:5d} {us:9.2f} us  best of both {best:9.2f}  "
+                  f"regret {regret * 100:+5.1f}%")
+        print(f"worst regret {max(r[5] for r in rows) * 100:+.1f}%, mean {np.mean([r[5] for r in rows]) * 100:.1f}%")
+        return 0
     costs = start if args.check else fit(cells, start, args.slots, args.min_pages)
     print(costs)
     worst = 0.0

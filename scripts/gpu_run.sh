@@ -2,7 +2,7 @@
 # One H200 session's worth of checks, results packed into OUT/results.tgz
 # (the device tool returns at most 8 files). Usage: scripts/gpu_run.sh OUT [steps...]
 # steps: tests sanitize sanitize6 host tune bench issue5 full features cascade fp8 profile soak notebook
-#        check ragged ragged_bench large sweep sweep8 runtime occupancy ab features2 roofline ncu_compare
+#        check ragged ragged_bench large sweep sweep8 check8 runtime occupancy ab features2 roofline ncu_compare
 #        ncu_sectors variants spec windows pdl pdl_dims pdl_ab suite_ab precompile headdims
 # (default: tests sanitize bench)
 # (carry .peer for bench/issue5/ragged_bench/large/ncu_compare/spec/windows, .nbpeer for notebook, .ab for ab and the
@@ -44,6 +44,8 @@ steps:
   sweep       chunk sweep of the ragged family, fp16 (the planner check)
   sweep8      chunk sweep of the ragged family, fp8 (every second knob; env SWEEP_HALF=1: the other half;
               SWEEP_CTAS_PER_SM=2: plans and launches held to 2 CTAs per SM)
+  check8      the fp8 planner check re-timed in one run: each ragged cell's default plan beside the best
+              knob at 3 and at 2 CTAs per SM of the committed fp8 sweeps (chunk_sweep.py --check-against)
   runtime     GPU tests of the serving runtime, the kernels it changed, sinks,
               windows, several query tokens per request and the serving loop;
               memcheck of the runner, hot-path, sinks/window and multi-token tests
@@ -143,6 +145,9 @@ for s in $steps; do case $s in
     run large_report 60 "python3 scripts/large_report.py $work/large/microbench-issue5.csv --out $work/large/h200-large ${LARGE_BASELINE:+--baseline $LARGE_BASELINE --baseline-label ${LARGE_BASELINE_LABEL:-baseline}}"
     cat "$work/large_report.log" ;;
   sweep) run sweep_ragged16 200 "python3 scripts/chunk_sweep.py --cells --csv $work/sweep_ragged16.csv" ;;
+  check8)  # the fp8 planner check in one run: each default beside the best knob per CTAs-per-SM count of the sweeps
+    H=docs/benchmarks/chunk-sweep-ragged-fp8
+    run check_ragged8 420 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --check-against $H-h200-2026-12-02-half0.csv $H-h200-2026-12-02-half1.csv $H-2cta-h200-2026-12-02-half0.csv --csv $work/check_ragged8.csv" ;;
   sweep8) run sweep_ragged8 420 "python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --quick ${SWEEP_HALF:-0} --rounds ${SWEEP_ROUNDS:-2} ${SWEEP_CTAS_PER_SM:+--ctas-per-sm $SWEEP_CTAS_PER_SM} --csv $work/sweep_ragged8.csv" ;;
   runtime) run runtime_tests 480 "python3 -m pytest -m gpu -q -p no:cacheprovider --benchmark-disable tests/test_runner.py tests/test_serving_loop.py tests/test_hot_path.py tests/test_sinks_window.py tests/test_multi_token.py tests/test_gpu_decode.py tests/test_append.py tests/test_features_gpu.py tests/test_cascade.py"
            # (not 'freed': under compute-sanitizer decode()'s returned frames stay referenced from

@@ -46,3 +46,20 @@ def test_load_takes_every_cap_of_both_halves(tmp_path):
     (cell,) = fit_step_model.load([first, second])
     assert sorted(zip(cell.caps.tolist(), cell.us.tolist())) == [(64, 15.0), (128, 12.0), (256, 20.0)]
     assert cell.best == 12.0 and cell.page_bytes == 16 * 2 * 128
+
+
+def test_the_shipped_two_per_sm_constants_are_the_joint_fit():
+    """schedule.H200_COSTS_FP8_2 is what --two-per-sm fits on the committed
+    sweeps (3 per SM in two halves, 2 per SM in one), and the choice it
+    makes is within 5 % of the best knob of either count on every cell of
+    those sweeps (a refit or an edited constant that breaks this fails)."""
+    from cupaged import schedule
+
+    bench = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+    three = fit_step_model.load([str(bench / f"chunk-sweep-ragged-fp8-h200-2026-12-02-half{i}.csv") for i in (0, 1)])
+    two = {c.name: c for c in fit_step_model.load([str(bench / "chunk-sweep-ragged-fp8-2cta-h200-2026-12-02-half0.csv")])}
+    fitted = fit_step_model.fit_two_per_sm(three, two, schedule.H200_COSTS_FP8, schedule.H200_COSTS_FP8, 8)
+    assert fitted == schedule.H200_COSTS_FP8_2
+    rows = fit_step_model.joint_regrets(three, two, schedule.H200_COSTS_FP8, fitted, 8)
+    assert len(rows) == 10 and max(r[5] for r in rows) < 0.05
+    assert {r[1] for r in rows} == {2, 3}  # both counts are chosen somewhere

@@ -1316,6 +1316,26 @@ def test_chunk_sweep_cells_and_knobs():
     assert [v for k, v in knobs if k == "uniform"] == [2**i for i in range(14)]
 
 
+def test_chunk_sweep_cell_selection_and_check_knobs(tmp_path):
+    """--lengths alone times only its ragged cells (the uniform ladder needs
+    --cells); --check-against takes each sweep's fastest cap/uniform row per
+    CTAs-per-SM count (a file without the column: the planner's, None)."""
+    chunk_sweep = importlib.import_module("chunk_sweep")
+
+    def names(argv):
+        return [name for name, _, _ in chunk_sweep._cells(chunk_sweep.parse_args(argv))]
+
+    assert names(["--lengths", "8:uniform:1:32768:6"]) == ["8:uniform:1:32768:6"]
+    assert names(["--cells", "--no-ragged"]) == []
+    assert names(["--cells", "4x4096", "--lengths", "8:uniform:1:32768:6"]) == ["4x4096", "8:uniform:1:32768:6"]
+    assert len(names([])) == len(chunk_sweep.CELLS) + len(_common.RAGGED_FAMILY)
+    old, new = tmp_path / "old.csv", tmp_path / "new.csv"
+    old.write_text("cell,knob,value,us\nc,cap,64,10.0\nc,uniform,32,9.0\nc,default,50,5.0\nd,cap,8,1.0\n")
+    new.write_text("cell,knob,value,us,ctas_per_sm\nc,cap,64,8.5,2\nc,cap,96,8.0,2\nc,cap,64,8.9,3\n")
+    assert sorted(chunk_sweep.best_knobs([str(old), str(new)], "c"), key=str) == sorted(
+        [("uniform", 32, None), ("cap", 96, 2), ("cap", 64, 3)], key=str)
+
+
 def test_chunk_sweep_holds_the_planners_ctas_per_sm(monkeypatch):
     """--ctas-per-sm N: the planner counts at most N CTAs per SM (and the
     launches' residency table, built from the same function, holds N)."""
