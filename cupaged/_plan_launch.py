@@ -175,7 +175,7 @@ class HotCall:
         self.devices = (device, device, device, device, device)
         self.geometry = (self.meta, args[4])  # shapes, strides and layout: the parameters' strides
         rows = q.shape[:2]
-        self.lse_meta = (rows, np.dtype(np.float32), True, device)  # C-contiguous (rows[1] == 1: any strides)
+        self.lse_meta = (rows, np.dtype(np.float32), True, device)  # C-contiguous, the full path's rule (check_lse)
 
     def launch(self, state: PlanLaunch, q, k, v, table, method, sm_scale, soft_cap, kv_layout, window_left,
                qo_indptr, out, return_lse, lse):

@@ -206,19 +206,9 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
     >>> choose_max_pages_per_chunk(np.array([2048] * 4), 8, 264, 16 * 512, 8)  # 8 chunks each: 256 CTAs
     256
     """
-    return _cap_and_longest(pages, ctas_per_chunk, slots, page_bytes, min_pages, costs)[0]
-
-
-def _cap_and_longest(pages: np.ndarray, ctas_per_chunk: int, slots: int, page_bytes: int, min_pages: int,
-                     costs: StepCosts) -> tuple[int, int]:
-    """``(cap, longest)``: :func:`choose_max_pages_per_chunk`'s cap, and the
-    pages of the longest request (0 for no request), which the model finds
-    anyway and a plan needs too."""
     length, first = _sorted_lengths(pages)
-    caps, caps_float, group_ctas, merge, constants = _ladder_setup(
-        first, max(1, int(min_pages)), length.size, ctas_per_chunk, slots, page_bytes, costs)
-    t = _step_us(_pool(length[::-1]), group_ctas, caps_float, constants, merge, some_empty=length[0] <= 0)
-    return int(caps[t.argmin()]), first
+    return _best_cap(_pool(length[::-1]), length[0] <= 0, first, length.size, ctas_per_chunk, slots, page_bytes,
+                     min_pages, costs)[1]
 
 
 def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, resident: int, page_bytes: int,
@@ -236,14 +226,24 @@ def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, r
     pooled, some_empty = _pool(length[::-1]), length[0] <= 0
     best = None
     for count in residency_choices(kv_itemsize, resident):
-        caps, caps_float, group_ctas, merge, constants = _ladder_setup(
-            first, max(1, int(min_pages)), length.size, ctas_per_chunk, count * sms, page_bytes,
-            costs_for(kv_itemsize, count))
-        t = _step_us(pooled, group_ctas, caps_float, constants, merge, some_empty=some_empty)
-        i = t.argmin()
-        if best is None or t[i] < best[0]:
-            best = (t[i], count, int(caps[i]))
+        t, cap = _best_cap(pooled, some_empty, first, length.size, ctas_per_chunk, count * sms, page_bytes,
+                           min_pages, costs_for(kv_itemsize, count))
+        if best is None or t < best[0]:
+            best = (t, count, cap)
     return best[1], best[2], first
+
+
+def _best_cap(pooled: np.ndarray, some_empty: bool, first: int, batch: int, ctas_per_chunk: int, slots: int,
+              page_bytes: int, min_pages: int, costs: StepCosts) -> tuple[float, int]:
+    """``(µs, cap)``: the least predicted step time over the candidate
+    ladder and its cap (the largest among ties), for the lengths of
+    ``batch`` requests pooled by :func:`_pool`, the longest ``first`` pages
+    (``some_empty``: see :func:`_step_us`)."""
+    caps, caps_float, group_ctas, merge, constants = _ladder_setup(
+        first, max(1, int(min_pages)), batch, ctas_per_chunk, slots, page_bytes, costs)
+    t = _step_us(pooled, group_ctas, caps_float, constants, merge, some_empty=some_empty)
+    i = t.argmin()
+    return float(t[i]), int(caps[i])
 
 
 def _sorted_lengths(pages) -> tuple[np.ndarray, int]:
