@@ -277,11 +277,13 @@ def _decode_v2(q, k_cache, v_cache, table, plan, dtype: str, scores, out, lse, c
         # arguments may skip decode's checks (HotCall); any other v2 call with
         # this plan rewrites the fields, so it drops or replaces the record.
         # (host arrays that shape the table, a window per request or a
-        # qo_indptr, could change in place under the same object: not recorded)
+        # qo_indptr, may change in place under the same object: the record
+        # keeps their content; a CuPy qo_indptr would need a device read: not recorded)
         sm_scale, window_left, qo_indptr = args[0], args[6], args[7]
         eligible = (held and (sm_scale is None or type(sm_scale) in (float, int)) and type(q) is cupy.ndarray
-                    and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray and qo_indptr is None
-                    and (window_left is None or type(window_left) is int))
+                    and type(raw_k) is cupy.ndarray and type(raw_v) is cupy.ndarray
+                    and (qo_indptr is None or type(qo_indptr) is np.ndarray)
+                    and (window_left is None or type(window_left) in (int, np.ndarray)))
         state.record(HotCall(q, raw_k, raw_v, raw_table, method, args, out, scores) if eligible else None)
 
 

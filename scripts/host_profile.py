@@ -403,7 +403,8 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 10) -> Non
     return_lse (allocating the LSE, and into a given ``lse``), sinks and a
     sliding window (issue 18), fp8 per-head scales with a new array per layer
     (a model's layers; the plan keeps a hot record per layer), 4 query tokens per request
-    (``qo_indptr``; the checked path), and ``DecodeRunner.run`` (checked every call;
+    (a NumPy ``qo_indptr``) and a window per request (a NumPy ``window_left``: the
+    hot path compares their content), and ``DecodeRunner.run`` (checked every call;
     no graph), on the legacy default stream and on a non-blocking one. The
     paths of both streams take turns, ``rounds`` rounds of ``calls / rounds``
     calls each, so that a slow stretch of the host (seen: one path 40 %
@@ -428,6 +429,9 @@ def every_path(cupy, np, cupaged, args, sample, report, rounds: int = 10) -> Non
         "return_lse into lse=": (f16.q, f16.k_cache, f16.v_cache, None, dict(return_lse=True, lse=lse_buf)),
         "sinks": (f16.q, f16.k_cache, f16.v_cache, None, dict(sinks=cupy.full(32, 3.0, dtype=cupy.float32))),
         "window_left": (f16.q, f16.k_cache, f16.v_cache, None, dict(window_left=args.ctx // 2)),
+        "window_left per request (an int array)": (
+            f16.q, f16.k_cache, f16.v_cache, None,
+            dict(window_left=np.arange(args.batch, dtype=np.int32) % 3 * (args.ctx // 4) + args.ctx // 4)),
         # what a model does: each layer its own scale arrays, one plan for the step
         "fp8 per-head scales, a new array per layer (4 layers)": (
             f16.q, k8, v8, "float8_e4m3fn", {"layer_scales": [cupy.full(8, 0.5 + i / 8, dtype=cupy.float32)

@@ -173,6 +173,41 @@ def test_fp8_kv_matches_reference(dtype, scale_mode, head_dim):
 
 
 @gpu
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
+def test_fp8_every_code_widens_exactly(dtype, head_dim):
+    """Requests of one visible token: the output is that token's V row exactly
+    (the softmax of one score is 1, and every e4m3 value is an f16 and a bf16
+    value) and the LSE its score, for every finite e4m3 code. KV head 0 holds
+    the positive subnormals alone, so a widening that flushed them, or got the
+    exponent bias wrong, zeroes or scales its rows and scores."""
+    cp = _cp()
+    hkv, group = 8, 4
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    rows = np.empty((hkv, head_dim), np.uint8)
+    rows[0] = np.resize(np.arange(1, 8, dtype=np.uint8), head_dim)
+    rows[1:] = np.resize(finite, (hkv - 1, head_dim))
+    assert set(finite) <= set(rows[1:].ravel().tolist())
+    table, num_pages = make_table(np.random.default_rng(7), [1, 1, 1], 16)
+    k = np.broadcast_to(rows, (num_pages, 16, hkv, head_dim)).copy()
+    v = np.broadcast_to(np.roll(rows, 3, axis=1), k.shape).copy()
+    q = np.ones((3, hkv * group, head_dim), dtype)
+    out = cp.full(q.shape, np.nan, dtype=q.dtype)
+    _, lse = cupaged.decode(cp.asarray(q), cp.asarray(k), cp.asarray(v), table, sm_scale=1.0, out=out,
+                            return_lse=True)
+    cp.cuda.runtime.deviceSynchronize()
+    want_v = np.repeat(fp8.from_e4m3(v[0, 0]).astype(np.float64), group, axis=0)  # [Hq, D]
+    np.testing.assert_array_equal(out.get().astype(np.float64), np.broadcast_to(want_v, q.shape))
+    _, want_lse = reference.decode(q, k, v, table, sm_scale=1.0)
+    k_abs = np.repeat(np.abs(fp8.from_e4m3(rows).astype(np.float64)).sum(axis=1), group) * math.log2(math.e)
+    # (tensor-core f32 accumulation of exact products: far inside 1e-4 of sum |k|)
+    ratio = np.abs(lse.get() - want_lse) / (1e-4 * k_abs + 1e-6)
+    worst = np.unravel_index(ratio.argmax(), ratio.shape)
+    assert ratio.max() < 1, f"LSE off by {ratio.max():.3g}x the tolerance at (request, head) {worst}"
+    assert np.abs(want_lse[:, :group]).min() > 0.5  # (the subnormal head's score is not negligible)
+
+
+@gpu
 @pytest.mark.parametrize("method", ["v1", "gather"])
 @pytest.mark.parametrize("scale_mode", ["tensor", "head"])
 def test_fp8_kv_other_methods(method, scale_mode):

@@ -300,3 +300,44 @@ def test_strided_arrays_of_the_recorded_shapes(monkeypatch):
     res, lse = cupaged.decode(q, k, v, table, plan, out=wide[:, 4:36], return_lse=True)
     check_close(res.get().astype(np.float64), lse.get().astype(np.float64), *want, F16)
     assert counts == {"checked": 1, "hot": 0}
+
+
+@pytest.mark.parametrize("arg", ["qo_indptr", "window_left"])
+def test_host_arrays_that_shape_the_table(arg, monkeypatch):
+    """A NumPy ``qo_indptr`` or per-request ``window_left`` is recorded by
+    content: a repeat (or an equal new array) is hot; the same array changed
+    in place is checked again, so it is never launched with the recorded
+    call's table (here its plan no longer fits: refused, or right)."""
+    cp = _cp()
+    rng = np.random.default_rng(80)
+    dev, table, host = batch(81, [300, 41, 1700, 16], mid_page=True)
+    _, k, v = dev
+    if arg == "qo_indptr":
+        value = np.array([0, 2, 3, 7, 8], dtype=np.int32)  # q_len 2, 1, 4, 1
+        q_h = make_query(rng, 8, 32, 128, F16)
+    else:
+        value = np.array([50, -1, 200, 3])
+        q_h = host[0]
+    q = cp.asarray(q_h)
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16, **{arg: value})
+    counts = _count_launches(monkeypatch)
+    want = reference.decode(q_h, *host[1:], table, **{arg: value})
+    for given in (value, value, value.copy()):
+        check_close(*_decode(q, k, v, table, plan, **{arg: given}), *want, F16)
+    assert counts == {"checked": 1, "hot": 2}
+    if arg == "qo_indptr":
+        value[1:] = [1, 3, 7, 8]  # q_len 1, 2, 4, 1: the same rows, other tokens
+    else:
+        value[0] = 20
+    try:
+        got = _decode(q, k, v, table, plan, **{arg: value})
+    except cupaged.PlanMismatchError:
+        pass
+    else:
+        check_close(*got, *reference.decode(q_h, *host[1:], table, **{arg: value}), F16)
+    assert counts["hot"] == 2
+    plan = cupaged.plan_decode(table, 32, 8, 128, F16, **{arg: value})
+    want = reference.decode(q_h, *host[1:], table, **{arg: value})
+    for _ in range(2):
+        check_close(*_decode(q, k, v, table, plan, **{arg: value}), *want, F16)
+    assert counts["hot"] == 3
