@@ -77,9 +77,10 @@ H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0
 #: timed: worst 12.2 %, mean 3.5 % over the 10 cells (the 2026-12-01
 #: constants ``(4600, 14.0, 2.0, 9.0, 0.3)``: 17.2 % / 6.4 %);
 #: docs/architecture.md has the per-cell table. One CTA streams fp8 bytes at
-#: ~14 GB/s, not fp16's 18: the widening to f16 before the MMA, not the
-#: bytes, bounds it, so a long request wants more, shorter chunks than its
-#: byte count says. (``hbm_gbps`` above the read roofline is the fit's: it
+#: ~14 GB/s, not fp16's 18: its per-token work (the same MMAs and softmax
+#: as fp16's for half the bytes; not the widening to f16, which an H200 A/B
+#: found worth 1-2 %), not the bytes, bounds it, so a long request wants
+#: more, shorter chunks than its byte count says. (``hbm_gbps`` above the read roofline is the fit's: it
 #: sets the per-CTA share of a full device, not a rate any kernel reaches.)
 H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us=9.0, merge_us_per_chunk=0.3)
 
@@ -91,7 +92,7 @@ H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us
 #: predicts faster, and the fit minimizes the regret of that choice against
 #: the best knob of either count (hbm, cta_gbps and cta_us fitted; the merge
 #: shared). One CTA streams fp8 at ~18.5 GB/s beside one other (14 beside
-#: two: they share the SM's widening to f16), so mid-sized ragged grids run
+#: two: they share the SM's issue slots), so mid-sized ragged grids run
 #: faster at 2 per SM and full devices at 3. docs/architecture.md has the
 #: per-cell table.
 H200_COSTS_FP8_2 = StepCosts(hbm_gbps=4600.0, cta_gbps=18.5, cta_us=4.25, merge_us=9.0, merge_us_per_chunk=0.3)

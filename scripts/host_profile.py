@@ -38,8 +38,10 @@ PLAN_BATCHES = ((128, "lognormal:1024:1.2", 1), (256, "lognormal:512:1.0", 3), (
 def plan_costs(calls: int = 300) -> None:
     """Median host µs of ``plan_decode`` (the default plan: the step model
     picks the split) on ragged batches, fp16, 32 q / 8 kv heads, D 128,
-    page 16, 132 SMs, and of the step model alone
-    (``schedule.choose_max_pages_per_chunk`` with the plan's arguments)."""
+    page 16, 132 SMs, of the step model alone
+    (``schedule.choose_max_pages_per_chunk`` with the plan's arguments), of
+    the plan with its cap given (``max_pages_per_chunk``: everything but the
+    model) and of the fp8 KV default plan (the model at two residencies)."""
     import numpy as np
 
     import cupaged
@@ -64,8 +66,14 @@ def plan_costs(calls: int = 300) -> None:
         slots = plan_mod.ctas_per_sm(plan.dtype, plan.kv_dtype, 128, plan.heads_per_cta) * 132
         model = (table.request_pages, plan.heads_groups, slots, 16 * 2 * 128 * 2, -(-plan_mod.MIN_CHUNK_TOKENS // 16))
         model_us = median_us(lambda: schedule.choose_max_pages_per_chunk(*model))[0]
+        pinned_us = median_us(lambda: cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132,
+                                                          max_pages_per_chunk=plan.pages_per_chunk))[0]
+        fp8_us = median_us(lambda: cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=132,
+                                                       kv_dtype="float8_e4m3fn"))[0]
         print(f"host us per plan_decode, batch {batch} {spec}: median {med:.1f}, "
-              f"p10 {p10:.1f}, p90 {p90:.1f} ({calls} calls); the step model alone {model_us:.1f}")
+              f"p10 {p10:.1f}, p90 {p90:.1f} ({calls} calls); the step model alone {model_us:.1f}; "
+              f"the plan with its cap given (no step model) {pinned_us:.1f}; fp8 KV (the model at 3 and "
+              f"2 CTAs per SM) {fp8_us:.1f}")
 
 
 #: Batches of the --step timing (batch, prompt lengths, seed), page size 16.
