@@ -186,8 +186,9 @@ for s in $steps; do case $s in
     done ;;
   variants)  # kernel source trees A/B: scripts/ab_sources.py per tree of AB_TREES, interleaved, AB_ROUNDS rounds
     for r in $(seq "${AB_ROUNDS:-2}"); do for tree in ${AB_TREES:-cuda_src}; do
-      run "variants_$(basename "$tree")_$r" 150 "CUPAGED_CUDA_SRC=$(realpath "$tree") python3 scripts/ab_sources.py ${AB_KV:-fp16}"
-      sed "s|^|$(basename "$tree") r$r |" "$work/variants_$(basename "$tree")_$r.log" >> "$work/variants.log"
+      lab=$(printf %s "${tree%/}" | tr -c 'A-Za-z0-9_.-' '_')  # (the whole path: trees are often */cuda_src)
+      run "variants_${lab}_$r" 150 "CUPAGED_CUDA_SRC=$(realpath "$tree") python3 scripts/ab_sources.py ${AB_KV:-fp16}"
+      sed "s|^|$lab r$r |" "$work/variants_${lab}_$r.log" >> "$work/variants.log"
     done; done
     sort -k3,3 -k4,4 -k1,1 "$work/variants.log" ;;
   occupancy) run occupancy 150 "python3 scripts/occupancy.py --head-dims 64 128 --csv $work/occupancy.csv" ;;

@@ -20,6 +20,11 @@ be rerun without hand-editing a tree:
   ``pdl_prefetch`` and ``prefetch_q``, whose A/B is in
   docs/benchmarks/h200-prefetch-ab-2026-12-02.md).
 
+* ``fp8_bitmove``, ``fp8_noconv``: the fp8 tensor-core core widening e4m3 by
+  bit moves instead of ``cvt`` (1-3 % slower on the H200), and the same with no
+  widening at all (wrong values: the conversions' cost ceiling, 1-2 % faster
+  than ``cvt``); docs/benchmarks/fp8-core-experiments-h200-2026-12-02.log.
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -74,6 +79,69 @@ _PREFETCH_CALL = ("  prefetch_first_tile<T, KV, HEAD_DIM, HEADS>(p, indices, slo
                   "req, head0);\n")
 
 
+# fp8_bitmove (eighteenth session, 2026-12-02; not kept: 1-3 % slower on the H200,
+# docs/benchmarks/fp8-core-experiments-h200-2026-12-02.log): e4m3 widened to f16 by bit
+# moves (FlashInfer's fast_dequant_f8f16x4 idea): the 7 exponent-and-mantissa bits one
+# place right of f16's make value * 2^-8 exactly; scores and output scaled back by 2^8; Q
+# fragments in the even/odd dim order the moves produce; fp8 instances (head_dim <= 128)
+# bounded to 3 CTAs per SM (unbounded: 194 registers, 2 per SM).
+_FP8_DEINTERLEAVE = "__device__ __forceinline__ unsigned byte_deinterleave(unsigned x) {\n"
+_FP8_EVEN = "__device__ __forceinline__ unsigned fp8_even(unsigned x) { return fp8_odd(x << 8); }\n"
+_FP8_LOADS = "// Loads query row g's A fragments (KSTEPS k-steps of 16 dims)."
+_FP8_BITMOVE = [
+    ("attend_mma.cuh", _FP8_DEINTERLEAVE,
+     "constexpr float FP8_UNSCALE = 256.f;  // variant fp8_bitmove\n"
+     "__device__ __forceinline__ unsigned fp8_odd(unsigned x) {\n"
+     "  return (x & 0x80008000u) | ((x & 0x7f007f00u) >> 1);\n}\n" + _FP8_EVEN + _FP8_DEINTERLEAVE),
+    ("attend_mma.cuh",
+     "      if (row_valid) {\n"
+     "        const unsigned* qr = reinterpret_cast<const unsigned*>(q + k * 16 + (FP8 ? 4 : 2) * t);\n"
+     "        qa[k][0] = __ldg(qr);\n"
+     "        qa[k][1] = __ldg(qr + (FP8 ? 1 : 4));\n",
+     "      if (row_valid && FP8) {  // variant fp8_bitmove\n"
+     "        const uint2 u = __ldg(reinterpret_cast<const uint2*>(q + k * 16 + 4 * t));\n"
+     "        asm(\"prmt.b32 %0, %1, %2, 0x5410;\" : \"=r\"(qa[k][0]) : \"r\"(u.x), \"r\"(u.y));\n"
+     "        asm(\"prmt.b32 %0, %1, %2, 0x7632;\" : \"=r\"(qa[k][1]) : \"r\"(u.x), \"r\"(u.y));\n"
+     "      } else if (row_valid) {\n"
+     "        const unsigned* qr = reinterpret_cast<const unsigned*>(q + k * 16 + 2 * t);\n"
+     "        qa[k][0] = __ldg(qr);\n"
+     "        qa[k][1] = __ldg(qr + 4);\n"),
+    ("attend_mma.cuh",
+     "      qa[k][0] = float2_to_f16x2(f[k][0] * mult, f[k][1] * mult);\n"
+     "      qa[k][1] = float2_to_f16x2(f[k][2] * mult, f[k][3] * mult);\n",
+     "      qa[k][0] = float2_to_f16x2(f[k][0] * mult, f[k][2] * mult);  // variant fp8_bitmove\n"
+     "      qa[k][1] = float2_to_f16x2(f[k][1] * mult, f[k][3] * mult);\n"),
+    ("attend_mma.cuh", "      score_scale = sc.scale * load_q_fragments<T, FP8, KSTEPS>(qg, g < rows, t, qb);\n",
+     "      score_scale = sc.scale * FP8_UNSCALE * load_q_fragments<T, FP8, KSTEPS>(qg, g < rows, t, qb);\n"),
+    ("attend_mma.cuh",
+     "        M::mma(sa, fp8_lo(a[0]), fp8_lo(a[1]), fp8_hi(a[0]), fp8_hi(a[1]), qb[2 * kb][0], qb[2 * kb][1]);\n"
+     "        M::mma(sb, fp8_lo(a[2]), fp8_lo(a[3]), fp8_hi(a[2]), fp8_hi(a[3]), qb[2 * kb + 1][0], qb[2 * kb + 1][1]);\n",
+     "        M::mma(sa, fp8_even(a[0]), fp8_even(a[1]), fp8_odd(a[0]), fp8_odd(a[1]), qb[2 * kb][0], qb[2 * kb][1]);\n"
+     "        M::mma(sb, fp8_even(a[2]), fp8_even(a[3]), fp8_odd(a[2]), fp8_odd(a[3]), qb[2 * kb + 1][0],\n"
+     "               qb[2 * kb + 1][1]);\n"),
+    ("attend_mma.cuh",
+     "          const unsigned x = byte_deinterleave(v[2 * h]), y = byte_deinterleave(v[2 * h + 1]);\n"
+     "          M::mma(o[2 * db + h], fp8_lo(x), fp8_hi(x), fp8_lo(y), fp8_hi(y), pb0, pb1);\n",
+     "          const unsigned x = v[2 * h], y = v[2 * h + 1];  // variant fp8_bitmove\n"
+     "          M::mma(o[2 * db + h], fp8_even(x), fp8_odd(x), fp8_even(y), fp8_odd(y), pb0, pb1);\n"),
+    ("attend_mma.cuh",
+     "        if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][dim_of(i, 0)]) = make_float2(o[i][0], o[i][2]);\n"
+     "        if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][dim_of(i, 0)]) = make_float2(o[i][1], o[i][3]);\n",
+     "        const float u = FP8_UNSCALE;  // variant fp8_bitmove\n"
+     "        if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][dim_of(i, 0)]) = {o[i][0] * u, o[i][2] * u};\n"
+     "        if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][dim_of(i, 0)]) = {o[i][1] * u, o[i][3] * u};\n"),
+    ("paged_decode_partial.cu", "  static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;\n",
+     "  static constexpr int MIN_BLOCKS = IsSame<KV, e4m3>::value && HEAD_DIM <= 128 ? 3 : MMA_MIN_BLOCKS;  "
+     "// variant fp8_bitmove\n"),
+]
+# fp8_noconv: fp8_bitmove with the widening removed (wrong values: the conversions'
+# cost ceiling, 1-2 % faster than cvt on the H200)
+_FP8_NOCONV = _FP8_BITMOVE + [
+    ("attend_mma.cuh", _FP8_LOADS, "#define fp8_odd(x) (x)  // variant fp8_noconv\n"
+                                   "#define fp8_even(x) ((x) << 8)\n" + _FP8_LOADS),
+]
+
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -83,6 +151,8 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "no_evict_first": [("attend_mma.cuh", "constexpr bool EVICT_FIRST = sizeof(KV) == 2;",
                         "constexpr bool EVICT_FIRST = false;  // variant no_evict_first")],
     "no_prefetch": [("paged_decode_partial.cu", _PREFETCH_CALL, "  // variant no_prefetch\n")],
+    "fp8_bitmove": _FP8_BITMOVE,
+    "fp8_noconv": _FP8_NOCONV,
 }
 
 
