@@ -80,8 +80,9 @@ H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0
 #: ~14 GB/s, not fp16's 18: its per-token work (the same MMAs and softmax
 #: as fp16's for half the bytes; not the widening to f16, which an H200 A/B
 #: found worth 1-2 %), not the bytes, bounds it, so a long request wants
-#: more, shorter chunks than its byte count says. (``hbm_gbps`` above the read roofline is the fit's: it
-#: sets the per-CTA share of a full device, not a rate any kernel reaches.)
+#: more, shorter chunks than its byte count says. (``hbm_gbps`` above the
+#: read roofline is the fit's: it sets the per-CTA share of a full device,
+#: not a rate any kernel reaches.)
 H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us=9.0, merge_us_per_chunk=0.3)
 
 #: fp8 with the launches held to 2 CTAs per SM (the plan's ``ctas_per_sm``):
