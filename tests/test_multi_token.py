@@ -263,6 +263,30 @@ def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("kv", ["same", "fp8"])
+def test_row_group_merge_of_many_chunks(kv):
+    """The fused merge of row groups split into a thousand chunks and more:
+    the last CTA of a group merges every row's partials (16 rows of 4 heads
+    at 16-bit, 8 for fp8's transposed tile), one page per chunk, groups of
+    1-16 tokens, with sinks, and tokens whose last chunk holds none of their
+    slots (LSE -inf partials, which the merge must skip whatever their v
+    holds). (Written for a two-phase merge through shared memory, measured
+    and not kept, docs/architecture.md; the lengths straddle its capacity.)"""
+    cp = _cp()
+    lens = [14000, 18000, 5, 40] if kv == "same" else [28000, 36000, 33, 2]
+    b = make_batch(320, lens, dtype=F16, kv_dtype=FP8 if kv == "fp8" else None, mid_page=False)
+    q_len = [16, 13, 4, 1] if kv == "same" else [16, 7, 2, 1]
+    ptr = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int32)
+    q = make_query(np.random.default_rng(321), int(ptr[-1]), b.num_qo_heads, b.head_dim, b.dtype)
+    b.q, b.host = cp.asarray(q), (q, *b.host[1:])
+    sinks = np.random.default_rng(322).uniform(-1, 3, b.num_qo_heads).astype(np.float32)
+    plan = b.plan(qo_indptr=ptr, pages_per_chunk=1)
+    assert plan.group_last is not None and int(plan.request_chunks.max()) >= (1125 if kv == "same" else 2250)
+    check(run("v2", b, plan, qo_indptr=ptr), b.reference(qo_indptr=ptr), F16)
+    check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), b.reference(qo_indptr=ptr, sinks=sinks), F16)
+
+
+@gpu
 def test_sixteen_tokens_windows_sinks_hnd_soft_cap():
     cp = _cp()
     b = make_batch(302, [16, 17, 40, 1021, 300], dtype=F16, kv_layout="HND", page_size=32)
