@@ -448,6 +448,20 @@ struct EmitRows {
   }
 };
 
+// Emit a when `first`, else b (one inlined attention core serves either).
+template <typename A, typename B>
+struct EmitEither {
+  A a;
+  B b;
+  bool first;
+  __device__ __forceinline__ void finish(int r, int d, float4 o, float lse) {
+    if (first)
+      a.finish(r, d, o, lse);
+    else
+      b.finish(r, d, o, lse);
+  }
+};
+
 // Visible slot range of pages [page_lo, page_hi) of a request: slots are
 // counted from entry 0 of its first page, and the visible ones are
 // [first_page_offset, (pages - 1) * page_size + last_page_len).

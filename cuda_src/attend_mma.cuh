@@ -137,6 +137,7 @@ struct MmaScratch {
   union __align__(128) {  // (with the 128-byte aligned dynamic shared memory: every row 128-byte aligned)
     unsigned char kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW_BYTES];  // [stage][warp][K or V][token][bytes]
     WarpStates<MMA_WARPS, ROWS, HEAD_DIM> combine;
+    WarpStates<MMA_WARPS / 2, 2 * ROWS, HEAD_DIM> paired;  // (warp pairs: a pair's rows side by side)
   };
 };
 
@@ -203,7 +204,11 @@ __device__ __forceinline__ float load_q_fragments(const T* __restrict__ q, bool 
 // slots in page windows; each warp copies its 16-token tiles of K and V
 // global -> shared with cp.async (STAGES - 1 tiles ahead) and hands each
 // landed tile to tile.step(kt, vt, base, s1) (base: the tile's first slot).
-template <typename KV, int HEAD_DIM, typename Scratch, typename Tile>
+// PAIRED (a row group of more tokens than one tile holds rows): warps 2p and
+// 2p + 1 share each tile, copy alternate rows of it and step their own rows
+// over all of it, so the K/V is read once for twice the rows; the ring is
+// then 2 x STAGES stages of MMA_WARPS / 2 tiles (the same bytes in flight).
+template <typename KV, int HEAD_DIM, bool PAIRED, typename Scratch, typename Tile>
 __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, CacheStrides ks,
                                                const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
                                                const int* __restrict__ req_pages, int page_size, int slot_begin,
@@ -213,7 +218,8 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   constexpr int CPR = L::CPR;                            // 16-byte chunks per token row
   constexpr int ELEMS_PER_CHUNK = 16 / (int)sizeof(KV);
   constexpr int PASSES = MMA_TILE * CPR / 32;            // chunks each lane copies per tile
-  constexpr int CTA_TILE = MMA_WARPS * MMA_TILE;
+  constexpr int SLOTS = PAIRED ? MMA_WARPS / 2 : MMA_WARPS;  // tiles per CTA step
+  constexpr int CTA_TILE = SLOTS * MMA_TILE;
   // The L2::128B prefetch hint for 16-bit rows of whole lines: +2 % at
   // 128 x 32k fp16 on the H200; for fp8 it cost 12 % at 8 x 32k and 32 x 4k.
   constexpr bool L2_HINT = sizeof(KV) == 2 && HEAD_DIM * 2 % 128 == 0;
@@ -222,6 +228,12 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   constexpr bool EVICT_FIRST = sizeof(KV) == 2;
   const unsigned long long policy = EVICT_FIRST ? evict_first_policy() : 0ull;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tix = PAIRED ? warp / 2 : warp, half = PAIRED ? warp % 2 : 0;  // its tile; the passes it copies
+  // Stage `stage`'s tile `tix`: [K or V][token][bytes] (paired: stage s of
+  // the 2 x STAGES ring is half s % 2 of the unpaired ring's stage s / 2).
+  auto tile_at = [&](int stage) {
+    return PAIRED ? sm.kv[stage / 2][(stage % 2) * SLOTS + tix] : sm.kv[stage][warp];
+  };
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
 
@@ -235,7 +247,11 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
     const bool page_tiles = 32 % CPR == 0 && page_size % MMA_TILE == 0 && s0 % MMA_TILE == 0;
 
     auto copy = [&](int stage, int it) {
-      const int base = s0 + it * CTA_TILE + warp * MMA_TILE;
+      const int base = s0 + it * CTA_TILE + tix * MMA_TILE;
+      // (unpaired, each copy's address as before pairs: the plain kernel's
+      // machine code unchanged; paired, the tile's address computed once)
+      auto* kv = tile_at(stage);
+      auto dst = [&](int kv_i, int r, int at) { return PAIRED ? &kv[kv_i][r][at] : &sm.kv[stage][warp][kv_i][r][at]; };
       if (page_tiles) {
         constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
         const int col = (lane % CPR) * ELEMS_PER_CHUNK;
@@ -250,12 +266,13 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
         }
 #pragma unroll
         for (int pass = 0; pass < PASSES; ++pass) {
+          if (PAIRED && pass % 2 != half) continue;  // (the partner's pass)
           const int r = lane / CPR + pass * ROWS_PER_PASS;
           const bool valid = base + r < s1;
           const int at = L::at(r, col * (int)sizeof(KV));
-          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at],
+          cp_async_16<L2_HINT, EVICT_FIRST>(dst(0, r, at),
                                             valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
-          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at],
+          cp_async_16<L2_HINT, EVICT_FIRST>(dst(1, r, at),
                                             valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
         }
       } else {
@@ -288,15 +305,21 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
             vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
           }
           const int at = L::at(r, col * (int)sizeof(KV));
-          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][0][r][at], kp, valid, policy);
-          cp_async_16<L2_HINT, EVICT_FIRST>(&sm.kv[stage][warp][1][r][at], vp, valid, policy);
+          if (PAIRED && pass % 2 != half) continue;  // (the partner's pass; the walk above still advanced)
+          cp_async_16<L2_HINT, EVICT_FIRST>(dst(0, r, at), kp, valid, policy);
+          cp_async_16<L2_HINT, EVICT_FIRST>(dst(1, r, at), vp, valid, policy);
         }
       }
     };
     auto consume = [&](int stage, int it) {
-      tile.step(sm.kv[stage][warp][0], sm.kv[stage][warp][1], s0 + it * CTA_TILE + warp * MMA_TILE, s1);
+      auto* kv = tile_at(stage);
+      tile.step(kv[0], kv[1], s0 + it * CTA_TILE + tix * MMA_TILE, s1);
     };
-    cp_async_ring<STAGES, true>(n_iter, copy, consume);  // (lanes read each other's copies)
+    // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
+    if constexpr (PAIRED)
+      cp_async_ring<2 * STAGES, false, true>(n_iter, copy, consume, 1 + tix);
+    else
+      cp_async_ring<STAGES, true>(n_iter, copy, consume);
   });
 }
 
@@ -434,8 +457,9 @@ struct RowsTile {
     }
   }
 
+  // This warp's states as entry `warp` of st, rows from roff (a pair's second warp: after the first's).
   template <typename States>
-  __device__ __forceinline__ void store(States& st, int warp) {
+  __device__ __forceinline__ void store(States& st, int warp, int roff) {
 #pragma unroll
     for (int h = 0; h < HALVES; ++h) {
       float lh = l[h];
@@ -444,12 +468,13 @@ struct RowsTile {
       const int r = g + 8 * h;
       if (r < rows) {
         if (t == 0) {
-          st.m[warp][r] = m[h];
-          st.l[warp][r] = lh;
+          st.m[warp][roff + r] = m[h];
+          st.l[warp][roff + r] = lh;
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n)
-          *reinterpret_cast<float2*>(&st.acc[warp][r][n * 8 + 2 * t]) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+          *reinterpret_cast<float2*>(&st.acc[warp][roff + r][n * 8 + 2 * t]) =
+              make_float2(o[n][2 * h], o[n][2 * h + 1]);
       }
     }
   }
@@ -611,8 +636,8 @@ struct ColsTile {
     }
   }
 
-  template <typename States>
-  __device__ __forceinline__ void store(States& st, int warp) {
+  template <typename States>  // (as RowsTile::store)
+  __device__ __forceinline__ void store(States& st, int warp, int roff) {
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
       l0 += __shfl_xor_sync(0xffffffffu, l0, off);
@@ -621,24 +646,26 @@ struct ColsTile {
     const int h0 = 2 * t, h1 = 2 * t + 1;
     if (g == 0) {
       if (h0 < rows) {
-        st.m[warp][h0] = m0;
-        st.l[warp][h0] = l0;
+        st.m[warp][roff + h0] = m0;
+        st.l[warp][roff + h0] = l0;
       }
       if (h1 < rows) {
-        st.m[warp][h1] = m1;
-        st.l[warp][h1] = l1;
+        st.m[warp][roff + h1] = m1;
+        st.l[warp][roff + h1] = l1;
       }
     }
 #pragma unroll
     for (int i = 0; i < MT; ++i) {
       if constexpr (FP8) {  // (adjacent dims: one float2 per head)
-        if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][dim_of(i, 0)]) = make_float2(o[i][0], o[i][2]);
-        if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][dim_of(i, 0)]) = make_float2(o[i][1], o[i][3]);
+        if (h0 < rows)
+          *reinterpret_cast<float2*>(&st.acc[warp][roff + h0][dim_of(i, 0)]) = make_float2(o[i][0], o[i][2]);
+        if (h1 < rows)
+          *reinterpret_cast<float2*>(&st.acc[warp][roff + h1][dim_of(i, 0)]) = make_float2(o[i][1], o[i][3]);
       } else {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (h0 < rows) st.acc[warp][h0][dim_of(i, h)] = o[i][2 * h];
-          if (h1 < rows) st.acc[warp][h1][dim_of(i, h)] = o[i][2 * h + 1];
+          if (h0 < rows) st.acc[warp][roff + h0][dim_of(i, h)] = o[i][2 * h];
+          if (h1 < rows) st.acc[warp][roff + h1][dim_of(i, h)] = o[i][2 * h + 1];
         }
       }
     }
@@ -663,8 +690,10 @@ struct MmaRows {
 
 // Same contract as cta_attend (attend.cuh); all MMA_THREADS threads call it.
 // T is the query/output storage type, KV the cache's (T, or e4m3). With
-// GROUPS, rg's rows (a row group) instead of the HEADS heads at q.
-template <typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS, typename Emit>
+// GROUPS, rg's rows (a row group) instead of the HEADS heads at q; PAIRED
+// (with GROUPS): up to twice the tokens a tile's rows hold, the first
+// TOKENS on even warps and the rest on odd ones, pairs sharing K/V tiles.
+template <typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS, bool PAIRED, typename Emit>
 __device__ __forceinline__ void cta_attend_mma(
     const T* __restrict__ q, long long stride_q_head, ScoreMap sc,
     const KV* __restrict__ k_cache, CacheStrides ks,
@@ -673,13 +702,26 @@ __device__ __forceinline__ void cta_attend_mma(
     MmaScratch<T, KV, HEAD_DIM, MmaRows<KV, HEAD_DIM, HEADS, GROUPS>::value>& sm, Emit& emit) {
   using Tile = typename Select<MmaCols<KV, HEAD_DIM>::value, ColsTile<T, KV, HEAD_DIM, HEADS, GROUPS>,
                                RowsTile<T, HEAD_DIM, HEADS, GROUPS>>::type;
-  Tile tile(q, stride_q_head, sc, rg);
-  mma_token_loop<KV, HEAD_DIM>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin, slot_end, sm,
-                               tile);
+  static_assert(!PAIRED || (GROUPS && MMA_WARPS % 2 == 0), "warp pairs serve row groups");
+  constexpr int TOKENS = MmaRows<KV, HEAD_DIM, HEADS, GROUPS>::value / HEADS;  // per warp
+  const int half = PAIRED ? threadIdx.x / 32 % 2 : 0;
+  // (a warp of a pair: its half of the rows, after the first TOKENS tokens for odd warps)
+  const RowGroup mine = PAIRED ? RowGroup{rg.stride_q_row, min(max(rg.rows - half * TOKENS * HEADS, 0), TOKENS * HEADS),
+                                          rg.lim0 + half * TOKENS}
+                               : rg;
+  Tile tile(PAIRED ? q + half * TOKENS * rg.stride_q_row : q, stride_q_head, sc, mine);
+  mma_token_loop<KV, HEAD_DIM, PAIRED>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin,
+                                       slot_end, sm, tile);
   __syncthreads();  // the ring becomes the combine buffer
-  tile.store(sm.combine, threadIdx.x / 32);
-  __syncthreads();
-  emit_combined<MMA_WARPS, MMA_THREADS>(sm.combine, sc.out_scale, emit);
+  if constexpr (PAIRED) {
+    tile.store(sm.paired, threadIdx.x / 64, half * TOKENS * HEADS);
+    __syncthreads();
+    emit_combined<MMA_WARPS / 2, MMA_THREADS>(sm.paired, sc.out_scale, emit);
+  } else {
+    tile.store(sm.combine, threadIdx.x / 32, 0);
+    __syncthreads();
+    emit_combined<MMA_WARPS, MMA_THREADS>(sm.combine, sc.out_scale, emit);
+  }
 }
 
 }  // namespace cupaged

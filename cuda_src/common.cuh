@@ -140,13 +140,27 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Barrier of the THREADS threads (whole warps) that name barrier `id` (1..15;
+// 0 is __syncthreads'): orders their shared-memory accesses, cp.async copies
+// included once each thread has waited for its own.
+template <int THREADS>
+__device__ __forceinline__ void named_barrier(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(THREADS) : "memory");
+}
+
 // The cp.async ring both attention cores run over a page window's n_iter
 // tiles: copy(stage, it) issues tile it's copies into its stage (STAGES - 1
 // tiles ahead; every step commits a group, empty past the end, so the wait
 // count stays uniform), consume(stage, it) reads it once landed. WARP_SYNC:
 // the tile's lanes read each other's copies (a __syncwarp on each side).
-template <int STAGES, bool WARP_SYNC, typename Copy, typename Consume>
-__device__ __forceinline__ void cp_async_ring(int n_iter, Copy& copy, Consume& consume) {
+// PAIR: a warp pair shares each tile (each warp copies part of it, both
+// consume all of it): after each wait the pair meets at named barrier
+// `pair_id`, which publishes the partner's copies, and the refill is issued
+// after it, once both warps are done with the stage it overwrites (read one
+// iteration ago); STAGES - 2 tiles stay in flight during a wait.
+template <int STAGES, bool WARP_SYNC, bool PAIR = false, typename Copy, typename Consume>
+__device__ __forceinline__ void cp_async_ring(int n_iter, Copy& copy, Consume& consume, int pair_id = 0) {
+  static_assert(!PAIR || STAGES >= 3, "a shared ring refills after its barrier: three stages or more");
   auto issue = [&](int it) {
     if (it < n_iter) copy(it % STAGES, it);
     cp_async_commit();
@@ -154,8 +168,14 @@ __device__ __forceinline__ void cp_async_ring(int n_iter, Copy& copy, Consume& c
 #pragma unroll
   for (int it = 0; it < STAGES - 1; ++it) issue(it);
   for (int it = 0; it < n_iter; ++it) {
-    issue(it + STAGES - 1);  // refills the stage read one iteration ago
-    cp_async_wait<STAGES - 1>();
+    if constexpr (PAIR) {
+      cp_async_wait<STAGES - 2>();
+      named_barrier<64>(pair_id);
+      issue(it + STAGES - 1);
+    } else {
+      issue(it + STAGES - 1);  // refills the stage read one iteration ago
+      cp_async_wait<STAGES - 1>();
+    }
     if (WARP_SYNC) __syncwarp();  // other lanes' copies of this stage are visible
     consume(it % STAGES, it);
     if (WARP_SYNC) __syncwarp();  // every lane is done with this stage before it is refilled

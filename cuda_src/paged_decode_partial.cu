@@ -103,7 +103,8 @@ struct PartialParams {
 // Attention core of the partial kernel; mirrored by cupaged/_configs.py CORES.
 enum class Core { SIMT = 0, MMA = 1 };
 
-// GROUPS: the core serves row groups (RowGroup), TOKENS tokens per pass.
+// GROUPS: the core serves row groups (RowGroup), TOKENS tokens per pass, or
+// up to PAIR_TOKENS with run<true> (the tensor cores' warp pairs).
 template <Core CORE, typename T, typename KV, int HEAD_DIM, int HEADS, bool GROUPS>
 struct AttendCore;
 
@@ -112,13 +113,14 @@ struct AttendCore<Core::SIMT, T, T, HEAD_DIM, HEADS, GROUPS> {
   static constexpr int THREADS = NUM_THREADS;
   static constexpr int MIN_BLOCKS = MinBlocks<HEADS>::value;
   static constexpr int TOKENS = 1;  // one token's heads per pass
+  static constexpr int PAIR_TOKENS = 1;
   using Scratch = AttendScratch<T, HEAD_DIM, HEADS>;
   static constexpr int DYNAMIC_SMEM = 0;  // static shared memory (< 48 KB)
   __device__ __forceinline__ static Scratch& scratch() {
     __shared__ Scratch sm;
     return sm;
   }
-  template <typename Emit, typename... Args>
+  template <bool PAIRED, typename Emit, typename... Args>
   __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, RowGroup, Args... args) {
     cta_attend<T, HEAD_DIM, HEADS>(args..., sm, emit);
   }
@@ -130,6 +132,12 @@ struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS, GROUPS> {
   static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;
   static constexpr int ROWS = MmaRows<KV, HEAD_DIM, HEADS, GROUPS>::value;
   static constexpr int TOKENS = ROWS / HEADS;
+  // Warp pairs for RowsTile at power-of-two heads only: at 3, 5, 6 and 7
+  // heads (row -> token by a division) ptxas spills 8 bytes at 16-bit
+  // head_dim 128, and ColsTile's (fp8) registers pass the 3 CTAs per SM
+  // its plans count on (docs/architecture.md "Warp pairs for q_len 8").
+  static constexpr bool PAIRS = !MmaCols<KV, HEAD_DIM>::value && (HEADS & (HEADS - 1)) == 0;
+  static constexpr int PAIR_TOKENS = PAIRS ? 2 * TOKENS : TOKENS;
   using Scratch = MmaScratch<T, KV, HEAD_DIM, ROWS>;
   static constexpr int DYNAMIC_SMEM = MMA_SMEM_BYTES;  // the launch must pass exactly this
   static_assert(sizeof(Scratch) <= MMA_SMEM_BYTES, "MMA scratch exceeds its shared memory budget");
@@ -139,9 +147,9 @@ struct AttendCore<Core::MMA, T, KV, HEAD_DIM, HEADS, GROUPS> {
     extern __shared__ __align__(128) uint4 dynamic_smem[];
     return *reinterpret_cast<Scratch*>(dynamic_smem);
   }
-  template <typename Emit, typename... Args>
+  template <bool PAIRED, typename Emit, typename... Args>
   __device__ __forceinline__ static void run(Scratch& sm, Emit& emit, RowGroup rg, Args... args) {
-    cta_attend_mma<T, KV, HEAD_DIM, HEADS, GROUPS>(args..., rg, sm, emit);
+    cta_attend_mma<T, KV, HEAD_DIM, HEADS, GROUPS, PAIRED>(args..., rg, sm, emit);
   }
 };
 
@@ -180,6 +188,17 @@ __device__ __forceinline__ void prefetch_first_tile(const PartialParams& p, cons
                                                     + min((i % LINES) * 128, ROW_BYTES - 16)));
   }
 #endif
+}
+
+// One pass of a row group's n tokens on a core with warp pairs: on pairs
+// when they are more than one warp's tile holds.
+template <typename Attn, typename Emit, typename... Args>
+__device__ __forceinline__ void attend_rows(int n, typename Attn::Scratch& sm, Emit& emit, RowGroup rg,
+                                            Args... args) {
+  if (n > Attn::TOKENS)
+    Attn::template run<true>(sm, emit, rg, args...);
+  else
+    Attn::template run<false>(sm, emit, rg, args...);
 }
 
 // The kernels' body. Without GROUPS a unit is one request's chunk; with
@@ -240,37 +259,57 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
     const RowGroup none{0, HEADS, 0};
     if (num_chunks == 1) {
       EmitStrided<T> emit{out, stride_o_head, lse_out, sinks};
-      Attn::run(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
-                slot_begin, slot_end);
+      Attn::template run<false>(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head,
+                                indices, page_size, slot_begin, slot_end);
       return;
     }
     EmitStrided<float> emit{p.partial_v + row * HEAD_DIM, HEAD_DIM, p.partial_lse + row};
-    Attn::run(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices, page_size,
-              slot_begin, slot_end);
+    Attn::template run<false>(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head,
+                              indices, page_size, slot_begin, slot_end);
   } else {
     // Every row of the group has num_chunks chunks (the plan gives them the
     // last row's split): row t's partial of this chunk is chunk + t * num_chunks.
     const int end = pages > 0 ? (pages - 1) * page_size + last_len : 0;  // the last row's visible end
-    for (int t0 = 0; t0 < rows; t0 += Attn::TOKENS) {
-      const int n = min(Attn::TOKENS, rows - t0);
+    // A group of more tokens than a tile's rows hold runs on warp pairs (up
+    // to PAIR_TOKENS per pass over the chunk's K/V, in one pass for a plan's
+    // groups: cupaged/_configs.py tokens_per_cta).
+    const int per_pass = rows > Attn::TOKENS ? Attn::PAIR_TOKENS : Attn::TOKENS;
+    for (int t0 = 0; t0 < rows; t0 += per_pass) {
+      const int n = min(per_pass, rows - t0);
       const int lim0 = end - (rows - 1 - t0);  // token t0's end
       const int pass_end = max(slot_begin, min(slot_end, lim0 + n - 1));
       const RowGroup rg{p.stride_q_batch, n * HEADS, lim0};
       const T* q_pass = q_cta + t0 * p.stride_q_batch;
       if (t0 > 0) __syncthreads();  // the last pass's combine buffer is the ring
-      if (num_chunks == 1) {
+      if constexpr (Attn::PAIR_TOKENS > Attn::TOKENS) {
+        // The final rows (T) of an unsplit group, else this chunk's partials
+        // (float32), as one emit chosen at run time: the core is inlined twice
+        // (on pairs or not), not four times (that spilled 8 bytes at head_dim 128).
+        const long long prow = row + (long long)t0 * num_chunks * num_qo_heads;
+        const long long stride_prow = (long long)num_chunks * num_qo_heads;
+        EmitEither<EmitRows<T, HEADS>, EmitRows<float, HEADS>> emit{
+            {{out + t0 * p.stride_o_batch, stride_o_head,
+              lse_out == nullptr ? nullptr : lse_out + (long long)t0 * num_qo_heads, sinks},
+             p.stride_o_batch, num_qo_heads, n * HEADS},
+            {{num_chunks == 1 ? nullptr : p.partial_v + prow * HEAD_DIM, HEAD_DIM,
+              num_chunks == 1 ? nullptr : p.partial_lse + prow},
+             stride_prow * HEAD_DIM, stride_prow, n * HEADS},
+            num_chunks == 1};
+        attend_rows<Attn>(n, sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices,
+                          page_size, slot_begin, pass_end);
+      } else if (num_chunks == 1) {
         EmitRows<T, HEADS> emit{{out + t0 * p.stride_o_batch, stride_o_head,
                                  lse_out == nullptr ? nullptr : lse_out + (long long)t0 * num_qo_heads, sinks},
                                 p.stride_o_batch, num_qo_heads, n * HEADS};
-        Attn::run(sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices,
-                  page_size, slot_begin, pass_end);
+        Attn::template run<false>(sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head,
+                                  indices, page_size, slot_begin, pass_end);
       } else {
         const long long prow = row + (long long)t0 * num_chunks * num_qo_heads;
         const long long stride_prow = (long long)num_chunks * num_qo_heads;
         EmitRows<float, HEADS> emit{{p.partial_v + prow * HEAD_DIM, HEAD_DIM, p.partial_lse + prow},
                                     stride_prow * HEAD_DIM, stride_prow, n * HEADS};
-        Attn::run(sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head, indices,
-                  page_size, slot_begin, pass_end);
+        Attn::template run<false>(sm, emit, rg, q_pass, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head,
+                                  indices, page_size, slot_begin, pass_end);
       }
     }
     if (num_chunks == 1) return;

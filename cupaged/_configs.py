@@ -344,12 +344,23 @@ def mma_cols(dtype: str, head_dim: int) -> bool:
 
 def tokens_per_cta(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> int:
     """Query tokens of one request a "rows" CTA serves per read of its K/V
-    (cuda_src AttendCore::TOKENS): the tensor-core tile's 16 M rows
-    (RowsTile) or 8 N columns (ColsTile: :func:`mma_cols`) over the CTA's
-    heads; the CUDA-core core serves one token at a time."""
+    (cuda_src AttendCore::PAIR_TOKENS), the most a plan's row group holds:
+    a warp's tensor-core tile holds 16 M rows (RowsTile) or 8 N columns
+    (ColsTile: :func:`mma_cols`) over the CTA's heads; RowsTile at a
+    power-of-two ``heads_per_cta`` runs a group of more tokens than that on
+    warp pairs sharing each K/V tile, twice the tokens (AttendCore::PAIRS);
+    the CUDA-core core serves one token at a time.
+
+    >>> tokens_per_cta("float16", 128, 4, "mma"), tokens_per_cta("float16+float8_e4m3fn", 128, 4, "mma")
+    (8, 2)
+    >>> tokens_per_cta("float16", 128, 3, "mma"), tokens_per_cta("float16", 128, 3, "simt")
+    (5, 1)
+    """
     if core != "mma":
         return 1
-    return (8 if mma_cols(dtype, head_dim) else 16) // heads_per_cta
+    if mma_cols(dtype, head_dim):
+        return 8 // heads_per_cta
+    return (2 if heads_per_cta & (heads_per_cta - 1) == 0 else 1) * (16 // heads_per_cta)
 
 
 def all_modules() -> list[tuple[str, str, int]]:

@@ -69,6 +69,11 @@ MIN_CHUNK_TOKENS = 128
 DEFAULT_NUM_SMS = 132
 #: CUDA grid limits.
 MAX_GRID_X = 2**31 - 1
+#: Row groups of more tokens than one warp's tile holds run on warp pairs
+#: (one K/V read for twice the rows) unless a group splits into more chunks
+#: than this: then its last CTA's merge of twice the rows outlasts the saving
+#: (H200, docs/architecture.md "Warp pairs for q_len 8").
+PAIR_MAX_CHUNKS = 4
 
 ENV_NUM_SMS = "CUPAGED_NUM_SMS"
 ENV_TARGET_CTAS = "CUPAGED_TARGET_CTAS"
@@ -792,12 +797,22 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     hpc = _heads_per_cta(group)
     q_groups = group // hpc
     grid_y = hkv * q_groups
-    group_last = _row_groups(ptr, dt, kv_dt, d, hpc) if ptr is not None and group_tokens else None
+    group_last, paired = None, False
+    if ptr is not None and group_tokens:
+        group_last, paired = _row_groups(ptr, dt, kv_dt, d, hpc, True)
+    knobs = (page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk, target_ctas,
+             num_sms)
+    row_pages = pages
     if group_last is not None:
-        pages = pages[group_last]  # a row splits as its group's last row
-    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
-        pages, group_last, page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk,
-        max_pages_per_chunk, target_ctas, num_sms)
+        pages = row_pages[group_last]  # a row splits as its group's last row
+    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
+    if paired and int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS:
+        # The last CTA of a group merges all its rows' partials: on warp pairs
+        # twice the rows, which outlasts the pairs' saving once a group has
+        # many chunks (a small step): then groups of one warp's rows.
+        group_last, _ = _row_groups(ptr, dt, kv_dt, d, hpc, False)
+        pages = row_pages[group_last]
+        target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
     # chunks: the units unless row groups share them (an int32 sum comes back as int64: no overflow)
     n = units if group_last is None else int(np.add.reduce(req_chunks))
     if units * grid_y > MAX_GRID_X:
@@ -881,26 +896,32 @@ def _plan_table(table: Any, window_left: Any,
     return batch, int(page_size), pages, ptr
 
 
-def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int) -> np.ndarray | None:
-    """``group_last`` of a plan of ``qo_indptr`` rows (int64 ``ptr``): each
-    request's tokens in groups of the kernel's tokens per CTA, or None when
-    it serves one token at a time (the CUDA-core core; a head_dim without
-    an instance, which runs the gather path)."""
+def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
+                pairs: bool) -> tuple[np.ndarray | None, bool]:
+    """``(group_last, paired)`` of a plan of ``qo_indptr`` rows (int64
+    ``ptr``): each request's tokens in groups of the kernel's tokens per CTA
+    (with ``pairs``; else of what one warp's tile holds), or None when it
+    serves one token at a time (the CUDA-core core; a head_dim without an
+    instance, which runs the gather path); and whether some group has more
+    tokens than one warp's tile holds (its CTA then runs on warp pairs)."""
     variant = _variant_of(dt, kv_dt)
     try:
         core = _configs.choose_core(variant, d, _env.core())
     except ValueError:
-        return None
+        return None, False
     tokens = _configs.tokens_per_cta(variant, d, hpc, core)
     if tokens == 1:
-        return None
+        return None, False
+    single = (8 if _configs.mma_cols(variant, d) else 16) // hpc  # what one warp's tile holds
+    if not pairs:
+        tokens = single
     q_len = np.diff(ptr)
     start = np.repeat(ptr[:-1], q_len)
     j = np.arange(int(ptr[-1])) - start
     last = start + np.minimum((j // tokens + 1) * tokens, np.repeat(q_len, q_len)) - 1
     last = last.astype(np.int32)
     last.setflags(write=False)
-    return last
+    return last, tokens > single and int(q_len.max(initial=0)) > single
 
 
 def group_leaders(group_last: np.ndarray) -> np.ndarray:

@@ -21,6 +21,7 @@ import pytest
 from helpers import RAGGED_LENS, make_caches, make_query, make_table, rel_errors
 
 import cupaged
+from cupaged import plan as plan_mod
 from cupaged import reference
 from cupaged._plan_launch import args_match
 from cupaged.page_table import kernel_table
@@ -111,9 +112,9 @@ def test_rows_cache_identity_errors_and_plans():
 
 def test_row_groups_plan_image_and_checks(monkeypatch):
     """A plan of several query tokens per request groups each request's
-    consecutive tokens (16-bit KV: 16 / heads_per_cta per CTA; fp8: 8 /
-    heads_per_cta; the CUDA-core core one), gives a group's rows its last
-    row's split, launches units for a group's first row only, and its
+    consecutive tokens (16-bit KV: 2 x 16 / heads_per_cta per CTA, on warp
+    pairs; fp8: 8 / heads_per_cta; the CUDA-core core one), gives a group's
+    rows its last row's split, launches units for a group's first row only, and its
     structure and tables are checked."""
     from cupaged import _launch, _validate
 
@@ -121,13 +122,17 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
     table = cupaged.PageTable.from_seq_lens([300, 5, 40, 90], page_size=16, first_page_offset=[3, 0, 9, 0])
     ptr = np.array([0, 6, 7, 9, 19])  # q_len 6, 1, 2, 10
     rows = table.query_rows(ptr)
-    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=2)
-    assert plan.heads_per_cta == 4  # 4 tokens per CTA
-    want = [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=5)
+    assert plan.heads_per_cta == 4  # 8 tokens per CTA (a group in at most PAIR_MAX_CHUNKS chunks)
+    want = [5, 5, 5, 5, 5, 5, 6, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16, 18, 18]
     assert plan.group_last.tolist() == want and not plan.group_last.flags.writeable
     last = np.array(want)
     group_pages = rows.request_pages[last]
-    np.testing.assert_array_equal(plan.request_chunks, -(-group_pages // 2))  # each row: its group's split
+    np.testing.assert_array_equal(plan.request_chunks, -(-group_pages // 5))  # each row: its group's split
+    # more chunks than PAIR_MAX_CHUNKS in a group: groups of one warp's 4 tokens
+    assert plan_mod.PAIR_MAX_CHUNKS < 10 and int(rows.request_pages.max()) == 19
+    small = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=2)
+    assert small.group_last.tolist() == [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
     lead = np.r_[True, last[1:] != last[:-1]]
     assert plan.num_units == int(plan.request_chunks[lead].sum()) < plan.num_chunks
     assert plan.grid == (plan.num_units * plan.heads_groups, 1, 1) and plan.matches(rows)
@@ -161,9 +166,13 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
 
     # tokens per CTA by kernel; no groups with a window, group_tokens=False, or the CUDA-core core
     fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, kv_dtype=np.uint8)
-    assert fp8.group_last.tolist()[:6] == [1, 1, 3, 3, 5, 5]
-    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, qo_indptr=ptr)  # one head per CTA: 16 tokens
+    assert fp8.group_last.tolist()[:6] == [1, 1, 3, 3, 5, 5]  # 2 tokens (the transposed tile: no pairs)
+    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, qo_indptr=ptr)  # one head per CTA: 16 tokens a warp
     assert mha.group_last.tolist() == [5] * 6 + [6, 8, 8] + [18] * 10
+    g8 = cupaged.plan_decode(table, 64, 8, 128, np.float16, qo_indptr=ptr)  # 8 heads per CTA: 2 a warp, 4 a pair
+    assert g8.group_last.tolist() == [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
+    g3 = cupaged.plan_decode(table, 24, 8, 128, np.float16, qo_indptr=ptr)  # 3 heads per CTA: 5 tokens, no pairs
+    assert g3.group_last.tolist()[:9] == [4, 4, 4, 4, 4, 5, 6, 8, 8]
     for p in (cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, window_left=50),
               cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=False),
               cupaged.plan_decode(table, 32, 8, 128, np.float32, qo_indptr=ptr),
@@ -260,6 +269,35 @@ def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
         plan = b.plan(qo_indptr=ptr, pages_per_chunk=2)
         monkeypatch.setenv("CUPAGED_CORE", "simt")
         check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,dtype", [
+    (32, 8, 128, F16),   # 4 heads per CTA: 4 tokens a warp, 8 a pair
+    (8, 8, 64, BF16),    # one head per CTA: 16 a warp (q_len 16 fits one warp: no pairs)
+    (64, 8, 128, BF16),  # 8 heads per CTA: 2 a warp, 4 a pair
+    (16, 8, 80, F16),    # 2 heads, head_dim 80: an odd copy-pass count, split between the pair
+], ids=str)
+def test_warp_pairs_match_reference(hq, hkv, d, dtype, monkeypatch):
+    """Row groups on warp pairs (two warps sharing each K/V tile, each with
+    its own rows) at every split, PAIR_MAX_CHUNKS lifted: one page per chunk
+    (many chunks, merged), the default, and one chunk per request (the final
+    rows written straight), with sinks, against the float64 reference."""
+    cp = _cp()
+    monkeypatch.setattr(plan_mod, "PAIR_MAX_CHUNKS", 1 << 30)
+    b = make_batch(330, [*RAGGED_LENS, 2000, 40], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
+                   page_size=16 if d != 80 else 4)
+    ptr = _multi(b, 331)
+    sinks = np.random.default_rng(332).uniform(-1, 3, hq).astype(np.float32)
+    want = b.reference(qo_indptr=ptr)
+    want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
+    single = 16 // (hq // hkv)
+    for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 4096}):
+        plan = b.plan(qo_indptr=ptr, **knobs)
+        sizes = np.bincount(plan.group_last)
+        assert (sizes > single).any() == (int(np.diff(ptr).max()) > single)  # some group on pairs
+        check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
+        check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), want_sinks, dtype)
 
 
 @gpu
