@@ -53,7 +53,8 @@
 //             request (PageTable.query_rows) form row groups, each a request's consecutive tokens;
 //             row r starts a group of group_rows[r] rows (>= 1), every row of which has the same
 //             chunk count and split; units name only a group's first row, and its CTAs serve all
-//             of the group's rows (AttendCore::TOKENS tokens per pass over the chunk's K/V)
+//             of the group's rows (AttendCore::TOKENS tokens per pass over the chunk's K/V,
+//             PAIR_TOKENS on warp pairs)
 //   partial_v        [chunks, num_qo_heads, HEAD_DIM] float32 contiguous (null if no request splits)
 //   partial_lse      [chunks, num_qo_heads] float32 contiguous (null if no request splits)
 //   merge_counters   [batch * heads_groups] int32, all 0 before the launch and after it (null if no split)

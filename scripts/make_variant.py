@@ -125,11 +125,15 @@ _FP8_BITMOVE = [
      "          const unsigned x = v[2 * h], y = v[2 * h + 1];  // variant fp8_bitmove\n"
      "          M::mma(o[2 * db + h], fp8_even(x), fp8_odd(x), fp8_even(y), fp8_odd(y), pb0, pb1);\n"),
     ("attend_mma.cuh",
-     "        if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][dim_of(i, 0)]) = make_float2(o[i][0], o[i][2]);\n"
-     "        if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][dim_of(i, 0)]) = make_float2(o[i][1], o[i][3]);\n",
+     "        if (h0 < rows)\n"
+     "          *reinterpret_cast<float2*>(&st.acc[warp][roff + h0][dim_of(i, 0)]) = make_float2(o[i][0], o[i][2]);\n"
+     "        if (h1 < rows)\n"
+     "          *reinterpret_cast<float2*>(&st.acc[warp][roff + h1][dim_of(i, 0)]) = make_float2(o[i][1], o[i][3]);\n",
      "        const float u = FP8_UNSCALE;  // variant fp8_bitmove\n"
-     "        if (h0 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h0][dim_of(i, 0)]) = {o[i][0] * u, o[i][2] * u};\n"
-     "        if (h1 < rows) *reinterpret_cast<float2*>(&st.acc[warp][h1][dim_of(i, 0)]) = {o[i][1] * u, o[i][3] * u};\n"),
+     "        if (h0 < rows)\n"
+     "          *reinterpret_cast<float2*>(&st.acc[warp][roff + h0][dim_of(i, 0)]) = {o[i][0] * u, o[i][2] * u};\n"
+     "        if (h1 < rows)\n"
+     "          *reinterpret_cast<float2*>(&st.acc[warp][roff + h1][dim_of(i, 0)]) = {o[i][1] * u, o[i][3] * u};\n"),
     ("paged_decode_partial.cu", "  static constexpr int MIN_BLOCKS = MMA_MIN_BLOCKS;\n",
      "  static constexpr int MIN_BLOCKS = IsSame<KV, e4m3>::value && HEAD_DIM <= 128 ? 3 : MMA_MIN_BLOCKS;  "
      "// variant fp8_bitmove\n"),
