@@ -6,8 +6,10 @@ CUPAGED_CUDA_SRC=<another cuda_src/> (same Python side), interleaved.
     python3 scripts/ab_sources.py fp16                        # this tree
     CUPAGED_CUDA_SRC=/tmp/base/cuda_src python3 scripts/ab_sources.py fp16
     AB_CELLS="128x32768 8x32768" python3 scripts/ab_sources.py fp8
+    AB_CELLS="8x32768x8 64x8192x4" python3 scripts/ab_sources.py fp16   # q_len 8 and 4
 
-Prints, per cell (batch x ctx; 32 q / 8 kv heads, head_dim 128, page 16,
+Prints, per cell (batch x ctx, or batch x ctx x q_len query tokens per request
+planned with qo_indptr, causal; 32 q / 8 kv heads, head_dim 128, page 16,
 shuffled pages, fp16 q; KV fp16 or fp8 e4m3), the median µs per call of 15
 replays of a 20-call graph, TB/s of KV bytes, the max-min spread and the plan's
 pages_per_chunk. Exit status 3 without a GPU.
@@ -29,13 +31,20 @@ CELLS = ((1, 1024), (1, 16384), (1, 131072), (4, 4096), (8, 4096), (8, 32768), (
 HQ, HKV, D, P = 32, 8, 128, 16
 
 
-def cells() -> list[tuple[int, int]]:
+def cells() -> list[tuple[int, int, int]]:
+    """``(batch, ctx, q_len)`` of env AB_CELLS (``BATCHxCTX[xQLEN]``), else CELLS at q_len 1."""
     env = os.environ.get("AB_CELLS")
-    return [tuple(map(int, c.split("x"))) for c in env.split()] if env else list(CELLS)
+    if not env:
+        return [(b, c, 1) for b, c in CELLS]
+    out = []
+    for cell in env.split():
+        parts = tuple(map(int, cell.split("x")))
+        out.append(parts if len(parts) == 3 else (*parts, 1))
+    return out
 
 
-def time_cell(batch: int, ctx: int, kv: str, rng) -> tuple[float, float, int]:
-    """(median µs, spread, pages_per_chunk) of one cell."""
+def time_cell(batch: int, ctx: int, kv: str, rng, q_len: int = 1) -> tuple[float, float, int]:
+    """(median µs, spread, pages_per_chunk) of one cell (``q_len`` tokens per request)."""
     import cupy as cp
 
     pages = -(-ctx // P)
@@ -48,18 +57,19 @@ def time_cell(batch: int, ctx: int, kv: str, rng) -> tuple[float, float, int]:
     else:
         k = cp.random.standard_normal((npg, P, HKV, D), dtype=cp.float32).astype(cp.float16)
         v = cp.random.standard_normal((npg, P, HKV, D), dtype=cp.float32).astype(cp.float16)
-    plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, kv_dtype=np.uint8 if kv == "fp8" else None)
-    q = cp.random.standard_normal((batch, HQ, D), dtype=cp.float32).astype(cp.float16)
+    kw = {"qo_indptr": np.arange(batch + 1, dtype=np.int32) * q_len} if q_len > 1 else {}
+    plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, kv_dtype=np.uint8 if kv == "fp8" else None, **kw)
+    q = cp.random.standard_normal((batch * q_len, HQ, D), dtype=cp.float32).astype(cp.float16)
     out = cp.empty_like(q)
     stream = cp.cuda.Stream(non_blocking=True)
     calls = 20
     with stream:
         for _ in range(3):
-            cupaged.decode(q, k, v, table, plan, out=out)
+            cupaged.decode(q, k, v, table, plan, out=out, **kw)
         stream.synchronize()
         stream.begin_capture()
         for _ in range(calls):
-            cupaged.decode(q, k, v, table, plan, out=out)
+            cupaged.decode(q, k, v, table, plan, out=out, **kw)
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
@@ -90,6 +100,7 @@ examples:
   python3 scripts/ab_sources.py fp16
   CUPAGED_CUDA_SRC=/tmp/base/cuda_src python3 scripts/ab_sources.py fp16
   AB_CELLS="128x32768 8x32768" python3 scripts/ab_sources.py fp8   # cells BATCHxCTX
+  AB_CELLS="8x32768x8" python3 scripts/ab_sources.py fp16   # BATCHxCTXxQLEN: q_len query tokens per request
 
 exit status: 0 ran, 2 bad arguments, 3 no CUDA GPU on this machine""",
     )
@@ -106,10 +117,11 @@ def main(argv=None) -> int:
     import cupy as cp
 
     rng = np.random.default_rng(0)
-    for batch, ctx in cells():
-        med, spread, ppc = time_cell(batch, ctx, kv, rng)
+    for batch, ctx, q_len in cells():
+        med, spread, ppc = time_cell(batch, ctx, kv, rng, q_len)
         kv_bytes = 2 * batch * ctx * HKV * D * (1 if kv == "fp8" else 2)
-        print(f"{kv} b{batch:<4} ctx{ctx:<7} {med:9.2f} us  {kv_bytes / med / 1e6:5.2f} TB/s  "
+        q = f" q{q_len}" if q_len > 1 else ""
+        print(f"{kv} b{batch:<4} ctx{ctx:<7}{q} {med:9.2f} us  {kv_bytes / med / 1e6:5.2f} TB/s  "
               f"spread {spread * 100:.1f}%  ppc {ppc}", flush=True)
         cp.get_default_memory_pool().free_all_blocks()
     return 0

@@ -72,7 +72,7 @@ steps:
               kernel source tree in env AB_TREES (default: this tree's cuda_src)
   variants    scripts/ab_sources.py for each kernel source tree in env AB_TREES
               (cuda_src folders), AB_ROUNDS interleaved rounds (default 2), KV dtype
-              env AB_KV (fp16 or fp8), cells env AB_CELLS
+              env AB_KV (fp16 or fp8), cells env AB_CELLS (BATCHxCTX[xQLEN])
   occupancy   registers, spills and CTAs per SM of the head_dim 64/128 partial
               instances (driver occupancy API) against the planner's
   pdl_dims    programmatic dependent launch on and off (CUPAGED_PDL=1/0, alternated, two rounds)

@@ -25,6 +25,11 @@ be rerun without hand-editing a tree:
   widening at all (wrong values: the conversions' cost ceiling, 1-2 % faster
   than ``cvt``); docs/benchmarks/fp8-core-experiments-h200-2026-12-02.log.
 
+* ``last_mask`` (issue 18, prepared 2026-12-02, not yet timed): RowsTile (16-bit
+  KV up to head_dim 128) masks a tile's scores only when the tile crosses a
+  row's end (a warp vote), not on every tile, as the issue's "causal mask on
+  the last tile(s) only"; the plain kernel and the row groups alike.
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -146,6 +151,37 @@ _FP8_NOCONV = _FP8_BITMOVE + [
 ]
 
 
+# last_mask: RowsTile's per-element end mask only on a tile that crosses an end
+_LAST_MASK = [
+    ("attend_mma.cuh",
+     "    float m_new[HALVES], m_safe[HALVES];\n"
+     "    bool grew = false;\n",
+     "    float m_new[HALVES], m_safe[HALVES];\n"
+     "    bool grew = false;\n"
+     "    // variant last_mask: row g's end is its lane's first (row g + 8 ends later)\n"
+     "    const bool edge = __any_sync(0xffffffffu, base + MMA_TILE > (GROUPS ? min(s1, lim[0]) : s1));\n"),
+    ("attend_mma.cuh",
+     "#pragma unroll\n"
+     "      for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "        for (int e = 0; e < 2; ++e) {\n"
+     "          if (base + n * 8 + 2 * t + e >= end) s[n][2 * h + e] = neg_inf();\n"
+     "          mx = fmaxf(mx, s[n][2 * h + e]);\n"
+     "        }\n",
+     "      if (edge) {  // variant last_mask\n"
+     "#pragma unroll\n"
+     "        for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "          for (int e = 0; e < 2; ++e)\n"
+     "            if (base + n * 8 + 2 * t + e >= end) s[n][2 * h + e] = neg_inf();\n"
+     "      }\n"
+     "#pragma unroll\n"
+     "      for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "        for (int e = 0; e < 2; ++e) mx = fmaxf(mx, s[n][2 * h + e]);\n"),
+]
+
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -157,6 +193,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "no_prefetch": [("paged_decode_partial.cu", _PREFETCH_CALL, "  // variant no_prefetch\n")],
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
+    "last_mask": _LAST_MASK,
 }
 
 
