@@ -30,6 +30,11 @@ be rerun without hand-editing a tree:
   row's end (a warp vote), not on every tile, as the issue's "causal mask on
   the last tile(s) only"; the plain kernel and the row groups alike.
 
+* ``fold_scale`` (issue 18, prepared 2026-12-02, not yet timed): RowsTile
+  without a soft cap keeps its scores unscaled, scales the row max after the
+  reduction and computes exp2(s * scale - max) as one FMA (8 multiplies a
+  tile fewer at 16 rows).
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -182,6 +187,41 @@ _LAST_MASK = [
 ]
 
 
+# fold_scale: RowsTile's score scale folded into the max and the exp2 argument
+_FOLD_SCALE = [
+    ("attend_mma.cuh",
+     "#pragma unroll\n"
+     "    for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "      for (int e = 0; e < 2 * HALVES; ++e) s[n][e] *= score_scale;\n"
+     "    if (sc.soft_cap > 0.f) {  // uniform branch\n"
+     "#pragma unroll\n"
+     "      for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "        for (int e = 0; e < 2 * HALVES; ++e) s[n][e] = sc.cap(s[n][e]);\n"
+     "    }\n",
+     "    // variant fold_scale: no soft cap and a positive scale (uniform): scores stay unscaled\n"
+     "    const bool fold = sc.soft_cap <= 0.f && score_scale > 0.f;\n"
+     "    const float k = fold ? score_scale : 1.f;\n"
+     "    if (!fold) {\n"
+     "#pragma unroll\n"
+     "      for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "        for (int e = 0; e < 2 * HALVES; ++e) s[n][e] *= score_scale;\n"
+     "      if (sc.soft_cap > 0.f) {\n"
+     "#pragma unroll\n"
+     "        for (int n = 0; n < 2; ++n)\n"
+     "#pragma unroll\n"
+     "          for (int e = 0; e < 2 * HALVES; ++e) s[n][e] = sc.cap(s[n][e]);\n"
+     "      }\n"
+     "    }\n"),
+    ("attend_mma.cuh", "      m_new[h] = fmaxf(m[h], mx);\n",
+     "      m_new[h] = fmaxf(m[h], mx * k);  // variant fold_scale (k > 0: the max of the scaled)\n"),
+    ("attend_mma.cuh", "fast_exp2(s[n][2 * h + e] - m_safe[h])",
+     "fast_exp2(fmaf(s[n][2 * h + e], k, -m_safe[h]))"),
+]
+
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -194,6 +234,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
+    "fold_scale": _FOLD_SCALE,
 }
 
 
