@@ -356,11 +356,21 @@ def tokens_per_cta(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> 
     >>> tokens_per_cta("float16", 128, 3, "mma"), tokens_per_cta("float16", 128, 3, "simt")
     (5, 1)
     """
+    pairs = core == "mma" and not mma_cols(dtype, head_dim) and heads_per_cta & (heads_per_cta - 1) == 0
+    return (2 if pairs else 1) * tokens_per_warp(dtype, head_dim, heads_per_cta, core)
+
+
+def tokens_per_warp(dtype: str, head_dim: int, heads_per_cta: int, core: str) -> int:
+    """Query tokens one warp's tensor-core tile holds (cuda_src
+    AttendCore::TOKENS): 16 M rows (RowsTile) or 8 N columns (ColsTile) over
+    the CTA's heads; 1 on the CUDA-core core.
+
+    >>> tokens_per_warp("float16", 128, 4, "mma"), tokens_per_warp("float16+float8_e4m3fn", 128, 4, "mma")
+    (4, 2)
+    """
     if core != "mma":
         return 1
-    if mma_cols(dtype, head_dim):
-        return 8 // heads_per_cta
-    return (2 if heads_per_cta & (heads_per_cta - 1) == 0 else 1) * (16 // heads_per_cta)
+    return (8 if mma_cols(dtype, head_dim) else 16) // heads_per_cta
 
 
 def all_modules() -> list[tuple[str, str, int]]:

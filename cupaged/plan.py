@@ -798,8 +798,12 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     q_groups = group // hpc
     grid_y = hkv * q_groups
     group_last, paired = None, False
-    if ptr is not None and group_tokens:
-        group_last, paired = _row_groups(ptr, dt, kv_dt, d, hpc, True)
+    tokens = _group_tokens(dt, kv_dt, d, hpc) if ptr is not None and group_tokens else None
+    if tokens is not None:
+        q_len = np.diff(ptr)
+        single, pair = tokens
+        paired = pair > single and int(q_len.max(initial=0)) > single  # some group's CTA on warp pairs
+        group_last = _row_groups(ptr, q_len, pair)
     knobs = (page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk, target_ctas,
              num_sms)
     row_pages = pages
@@ -810,7 +814,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         # The last CTA of a group merges all its rows' partials: on warp pairs
         # twice the rows, which outlasts the pairs' saving once a group has
         # many chunks (a small step): then groups of one warp's rows.
-        group_last, _ = _row_groups(ptr, dt, kv_dt, d, hpc, False)
+        group_last = _row_groups(ptr, q_len, single)
         pages = row_pages[group_last]
         target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
     # chunks: the units unless row groups share them (an int32 sum comes back as int64: no overflow)
@@ -896,32 +900,30 @@ def _plan_table(table: Any, window_left: Any,
     return batch, int(page_size), pages, ptr
 
 
-def _row_groups(ptr: np.ndarray, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
-                pairs: bool) -> tuple[np.ndarray | None, bool]:
-    """``(group_last, paired)`` of a plan of ``qo_indptr`` rows (int64
-    ``ptr``): each request's tokens in groups of the kernel's tokens per CTA
-    (with ``pairs``; else of what one warp's tile holds), or None when it
-    serves one token at a time (the CUDA-core core; a head_dim without an
-    instance, which runs the gather path); and whether some group has more
-    tokens than one warp's tile holds (its CTA then runs on warp pairs)."""
+def _group_tokens(dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int) -> tuple[int, int] | None:
+    """``(one warp's tokens, a CTA's tokens)`` of the rows kernel that serves
+    the plan (:func:`cupaged._configs.tokens_per_warp` and ``tokens_per_cta``:
+    twice the first on warp pairs), or None when it serves one token at a
+    time (the CUDA-core core; a head_dim without an instance, which runs the
+    gather path): then no row groups."""
     variant = _variant_of(dt, kv_dt)
     try:
         core = _configs.choose_core(variant, d, _env.core())
     except ValueError:
-        return None, False
+        return None
     tokens = _configs.tokens_per_cta(variant, d, hpc, core)
-    if tokens == 1:
-        return None, False
-    single = (8 if _configs.mma_cols(variant, d) else 16) // hpc  # what one warp's tile holds
-    if not pairs:
-        tokens = single
-    q_len = np.diff(ptr)
+    return None if tokens == 1 else (_configs.tokens_per_warp(variant, d, hpc, core), tokens)
+
+
+def _row_groups(ptr: np.ndarray, q_len: np.ndarray, tokens: int) -> np.ndarray:
+    """``group_last`` of a plan of ``qo_indptr`` rows (int64 ``ptr``, each
+    request's ``q_len``): each request's tokens in groups of ``tokens``."""
     start = np.repeat(ptr[:-1], q_len)
     j = np.arange(int(ptr[-1])) - start
     last = start + np.minimum((j // tokens + 1) * tokens, np.repeat(q_len, q_len)) - 1
     last = last.astype(np.int32)
     last.setflags(write=False)
-    return last, tokens > single and int(q_len.max(initial=0)) > single
+    return last
 
 
 def group_leaders(group_last: np.ndarray) -> np.ndarray:
