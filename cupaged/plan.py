@@ -463,9 +463,9 @@ class DecodePlan:
       SM (the grid is sized for them; with programmatic dependent launch,
       sm_90+ tensor-core instances, the launch holds each SM to them through
       its dynamic shared memory). The kernel instance's count
-      (:func:`ctas_per_sm`), or fewer where the step model predicts the
-      step faster so (fp8's instances fit 3 per SM; the default plan weighs 3
-      against 2, :func:`cupaged.schedule.choose_cap_and_residency`).
+      (:func:`ctas_per_sm`), or one fewer where the step model predicts the
+      step faster so (the default plan weighs fp8's 3 against 2, and 16-bit
+      KV's 2 against 1: :func:`cupaged.schedule.choose_cap_and_residency`).
     * ``request_chunk_pages``, ``launch_order``, ``heads_groups``,
       ``group_last``, ``ctas_per_sm`` (above) are optional when
       constructing: a uniform split of ``pages_per_chunk`` pages in chunk
@@ -804,8 +804,9 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         single, pair = tokens
         paired = pair > single and int(q_len.max(initial=0)) > single  # some group's CTA on warp pairs
         group_last = _row_groups(ptr, q_len, pair)
+    rows = group_last is not None and int(q_len.max(initial=0)) > 1  # some CTA holds several tokens' rows
     knobs = (page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk, target_ctas,
-             num_sms)
+             num_sms, rows)
     row_pages = pages
     if group_last is not None:
         pages = row_pages[group_last]  # a row splits as its group's last row
@@ -967,12 +968,14 @@ def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None,
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
               deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-              target_ctas: int | None, num_sms: int | None) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
+              target_ctas: int | None, num_sms: int | None,
+              rows: bool = False) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
     """``(target_ctas, chunk_pages, chunks, units, longest, ctas_per_sm)`` of
     :func:`plan_decode` (its arguments already checked): the CTA target,
     each request's chunk size and count (in the dtype of ``pages``), the
     chunk count in all, the largest chunk size and the CTAs per SM the
-    launches hold to."""
+    launches hold to. ``rows``: some CTA holds several query tokens' rows
+    (the step model's multi-token constants)."""
     target, sms = _target_and_sms(target_ctas, num_sms)
     held = ctas_per_sm(dt, kv_dt, d, hpc)
     longest_request = None
@@ -987,7 +990,7 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     else:
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
-            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize)
+            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows)
         c = None
     if c is None:
         return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)

@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_FP8", "H200_COSTS_FP8_2", "costs_for", "residency_choices",
+__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_1", "H200_COSTS_ROWS", "H200_COSTS_FP8", "H200_COSTS_FP8_2", "costs_for",
+           "residency_choices",
            "split_pages", "candidate_caps", "predict_step_us", "choose_max_pages_per_chunk", "choose_cap_and_residency"]
 
 
@@ -68,6 +69,39 @@ class StepCosts:
 #: docs/benchmarks/chunk-sweep-h200-2026-12-01.csv; docs/architecture.md
 #: "Ragged batches: balanced units" has the sweep and the per-cell regrets.
 H200_COSTS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=9.0, merge_us_per_chunk=0.35)
+
+#: 16-bit KV with the launches held to 1 CTA per SM (the plan's
+#: ``ctas_per_sm``; a grid of at most one CTA per SM runs so anyway):
+#: ``scripts/fit_step_model.py 2CTA... --fewer-per-sm 1CTA... --min-pages 8``
+#: (a coarse grid, then a coordinate search, every constant free) on chunk
+#: sweeps of 62 cells (22 uniform and 4 ragged one-token cells, 21 short
+#: contexts 256-3000, 15 of q_len 2-8) at 2 and at 1 per SM, each pair
+#: timed in one run (H200, 2026-12-02;
+#: docs/benchmarks/chunk-sweep{,-short,-qlen}-fp16-{2,1}cta-h200-2026-12-02.csv),
+#: fitted jointly with :data:`H200_COSTS` (:data:`H200_COSTS_ROWS` for the
+#: multi-token cells) as shipped. These are choice constants, not a
+#: breakdown of the time: a small grid whose CTAs have an SM each runs
+#: faster than the 2-per-SM model predicts (1 x 8192: 12.98 µs at 128 CTAs,
+#: 14.77 at the 216 the 2-per-SM constants pick; 1 x 8192 q_len 4: 18.66
+#: against 24.74), but not for short contexts, which want their many short
+#: chunks (1 x 700: 5.6 µs split, 10.1 whole). The planner's regret
+#: against the best knob of either count: mean 0.9 %, worst 12.9 % (1 x
+#: 512, the same time as the 2-per-SM planner's pick; that planner alone:
+#: mean 4.2 %, worst 32.6 %); docs/architecture.md "One CTA per SM" has
+#: the per-cell table.
+H200_COSTS_1 = StepCosts(hbm_gbps=3600.0, cta_gbps=29.0, cta_us=8.0, merge_us=6.5, merge_us_per_chunk=0.0)
+
+#: 16-bit KV, several query tokens' rows per CTA (``plan_decode(...,
+#: qo_indptr=...)`` with some q_len > 1), at 2 CTAs per SM: fp16's with a
+#: dearer merge (a split request's last CTA merges every row of its
+#: group). Chosen on the 12 q_len 2-8 cells of the 2026-12-02 sweeps above
+#: (batch 1-8, ctx 1024-32768, cells named ``...qN``) before the short
+#: ones were added: with the 1-per-SM constants of the time, every merge
+#: cost from 10 to 14 µs picked a plan within 0.5 % of the best knob of
+#: either count on all 12 (the shipped 9.0: 1 x 32768 q_len 4 +11.9 %,
+#: 2 x 8192 q_len 4 +11.0 %, 1 x 8192 q_len 8 +5.3 %); 12 is the middle.
+#: With :data:`H200_COSTS_1` as shipped: within 1.1 % on all 15.
+H200_COSTS_ROWS = StepCosts(hbm_gbps=4700.0, cta_gbps=18.0, cta_us=3.25, merge_us=12.0, merge_us_per_chunk=0.35)
 
 #: The fp8 KV instances' constants (H200; 32 q / 8 kv heads, head_dim 128,
 #: page 16, 3 CTAs per SM): ``scripts/fit_step_model.py --min-pages 8`` on
@@ -99,28 +133,37 @@ H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us
 H200_COSTS_FP8_2 = StepCosts(hbm_gbps=4600.0, cta_gbps=18.5, cta_us=4.25, merge_us=9.0, merge_us_per_chunk=0.3)
 
 
-def costs_for(kv_itemsize: int, ctas_per_sm: int | None = None) -> StepCosts:
+def costs_for(kv_itemsize: int, ctas_per_sm: int | None = None, rows: bool = False) -> StepCosts:
     """The step model's constants for a KV cache of ``kv_itemsize`` bytes per
-    element at ``ctas_per_sm`` CTAs per SM (None: the kernel's count): fp8
-    (1) has its own, at 3 and at 2 per SM; 16-bit and float32 share fp16's.
+    element at ``ctas_per_sm`` CTAs per SM (None: the kernel's count), CTAs
+    of several query tokens' rows or not (``rows``): fp8 (1) has its own, at
+    3 and at 2 per SM; 16-bit and float32 share fp16's, at 2 per SM (with
+    ``rows``: :data:`H200_COSTS_ROWS`) and at 1.
 
-    >>> costs_for(1) is H200_COSTS_FP8, costs_for(1, 2) is H200_COSTS_FP8_2, costs_for(2) is H200_COSTS
+    >>> costs_for(1) is H200_COSTS_FP8, costs_for(1, 2) is H200_COSTS_FP8_2
+    (True, True)
+    >>> costs_for(2) is H200_COSTS, costs_for(2, 2, rows=True) is H200_COSTS_ROWS, costs_for(2, 1) is H200_COSTS_1
     (True, True, True)
     """
     if kv_itemsize != 1:
-        return H200_COSTS
+        if ctas_per_sm == 1:
+            return H200_COSTS_1
+        return H200_COSTS_ROWS if rows else H200_COSTS
     return H200_COSTS_FP8_2 if ctas_per_sm == 2 else H200_COSTS_FP8
 
 
 def residency_choices(kv_itemsize: int, resident: int) -> tuple[int, ...]:
     """The CTAs-per-SM counts a default plan weighs, most first: the
-    kernel's count ``resident``, and 2 for fp8 instances that fit 3 (the
-    counts the model has constants for).
+    kernel's count ``resident``, and one fewer where the model has constants
+    for both: fp8 instances that fit 3 (and 2), 16-bit ones that fit 2 (and
+    1: a small grid's CTA streams faster alone on its SM).
 
-    >>> residency_choices(1, 3), residency_choices(2, 2), residency_choices(1, 2)
-    ((3, 2), (2,), (2,))
+    >>> residency_choices(1, 3), residency_choices(2, 2), residency_choices(1, 2), residency_choices(4, 2)
+    ((3, 2), (2, 1), (2,), (2,))
     """
-    return (3, 2) if kv_itemsize == 1 and resident == 3 else (resident,)
+    if (kv_itemsize, resident) in ((1, 3), (2, 2)):
+        return resident, resident - 1
+    return (resident,)
 
 
 #: Even splits of the longest request that the candidate ladder lists one by one.
@@ -214,12 +257,13 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
 
 
 def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, resident: int, page_bytes: int,
-                             min_pages: int, kv_itemsize: int) -> tuple[int, int, int]:
+                             min_pages: int, kv_itemsize: int, rows: bool = False) -> tuple[int, int, int]:
     """``(ctas_per_sm, cap, longest)``: over the CTAs-per-SM counts of
-    :func:`residency_choices` (each with its own constants and ``count *
-    sms`` slots), the count and chunk cap of least predicted step time (the
-    most CTAs per SM among ties), and the longest request's pages. One
-    count: :func:`choose_max_pages_per_chunk`'s cap.
+    :func:`residency_choices` (each with its own constants, of
+    :func:`costs_for` with ``rows``, and ``count * sms`` slots), the count
+    and chunk cap of least predicted step time (the most CTAs per SM among
+    ties), and the longest request's pages. One count:
+    :func:`choose_max_pages_per_chunk`'s cap.
 
     >>> choose_cap_and_residency(np.array([2048] * 4), 8, 132, 2, 16 * 512, 8, 2)[:2]
     (2, 256)
@@ -229,7 +273,7 @@ def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, r
     best = None
     for count in residency_choices(kv_itemsize, resident):
         t, cap = _best_cap(pooled, some_empty, first, length.size, ctas_per_chunk, count * sms, page_bytes,
-                           min_pages, costs_for(kv_itemsize, count))
+                           min_pages, costs_for(kv_itemsize, count, rows))
         if best is None or t < best[0]:
             best = (t, count, cap)
     return best[1], best[2], first

@@ -7,8 +7,10 @@ against the best chunking found.
     python3 scripts/chunk_sweep.py --cells 1x131072 4x32768x16x32x8x128 --no-ragged
     python3 scripts/chunk_sweep.py --lengths 64:onelong:131072:512 --kv-dtype fp8
     python3 scripts/chunk_sweep.py --cells --kv-dtype fp8 --check-against SWEEP.csv ...  # the planner check, re-timed
+    python3 scripts/chunk_sweep.py --cells 1x8192 2x8192 --no-ragged --qlen 4     # 4 query tokens per request
 
-A uniform cell is ``BATCHxCTX[xPAGExHQxHKVxD]`` (default page 16, 32 q / 8 kv
+``--qlen N`` gives every request N query tokens (``qo_indptr``; the cells'
+names end in ``qN``). A uniform cell is ``BATCHxCTX[xPAGExHQxHKVxD]`` (default page 16, 32 q / 8 kv
 heads, head_dim 128). A ragged cell is ``BATCH:DISTRIBUTION[:SEED]`` with the
 distributions of scripts/_common.py (``lognormal:MEDIAN:SIGMA``,
 ``uniform:LO:HI``, ``bimodal:SHORT:LONG``, ``onelong:LONG:SHORT``,
@@ -151,6 +153,8 @@ def parse_args(argv=None):
                    help="the planner check, re-timed in one run: per cell the default plan against the best "
                         "cap or uniform knob of these sweeps (--csv files) at each CTAs-per-SM count they ran "
                         "at (a file without the column: the planner's count), instead of every knob")
+    p.add_argument("--qlen", type=int, default=1,
+                   help="query tokens per request (decode(..., qo_indptr=...), 1-16; default 1: one-token decode)")
     p.add_argument("--csv", default=None, help="write every timed row to this CSV file")
     return p.parse_args(argv)
 
@@ -198,6 +202,9 @@ def main(argv=None) -> int:
     if args.ctas_per_sm is not None and args.ctas_per_sm < 1:
         print("--ctas-per-sm must be >= 1", file=sys.stderr)
         return 2
+    if not 1 <= args.qlen <= 16:
+        print("--qlen must be in [1, 16]", file=sys.stderr)
+        return 2
     _common.require_gpu()
     if args.ctas_per_sm is not None:
         hold_ctas_per_sm(args.ctas_per_sm)
@@ -212,7 +219,9 @@ def main(argv=None) -> int:
     kv_dtype = np.uint8 if fp8 else None
     rows, summary = [], []
     print(",".join(COLUMNS), flush=True)
+    suffix = f"q{args.qlen}" if args.qlen > 1 else ""
     for name, (batch, ctx, page, hq, hkv, d), ragged in _cells(args):
+        name += suffix
         if ragged is None:
             layout = _common.plan_layout(batch, ctx, page, seed=batch * 7 + ctx, mid_page=False, page_order="random")
         else:
@@ -225,9 +234,13 @@ def main(argv=None) -> int:
         if fp8:
             caches = [tuple(cupaged.fp8.to_e4m3(x) for x in pair) for pair in caches]
             _common.free_gpu_memory()
-        table = dev.table
+        table, q, qo = dev.table, dev.q, {}
+        if args.qlen > 1:  # every request's last qlen slots are its new tokens (the last one sees them all)
+            qo["qo_indptr"] = np.arange(batch + 1, dtype=np.int32) * args.qlen
+            q = cupy.random.RandomState(1).standard_normal((batch * args.qlen, hq, d), dtype=cupy.float32)
+            q = q.astype(cupy.float16)
         pages = np.asarray(layout.request_pages)
-        default = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype)
+        default = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype, **qo)
         plans = {("default", default.pages_per_chunk): default,
                  # the same chunks in request order instead of longest first (the LPT A/B)
                  ("request_order", default.pages_per_chunk): dataclasses.replace(
@@ -240,7 +253,7 @@ def main(argv=None) -> int:
             chosen = chosen[args.quick::2]
         for knob, value, held in chosen:
             kw = {"max_pages_per_chunk": value} if knob == "cap" else {"pages_per_chunk": value}
-            plan = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype, **kw)
+            plan = plan_decode(table, hq, hkv, d, "float16", kv_dtype=kv_dtype, **qo, **kw)
             if held is not None and held < plan.ctas_per_sm:
                 plan = dataclasses.replace(plan, ctas_per_sm=held)
                 knob = f"{knob}@{held}"
@@ -248,7 +261,7 @@ def main(argv=None) -> int:
                 plans[(knob, value)] = plan
         slots = ctas_per_sm(np.dtype(np.float16), default.kv_dtype, d, default.heads_per_cta) * resolve_num_sms()
         page_bytes = page * 2 * d * (1 if fp8 else 2)
-        out = cupy.empty_like(dev.q)
+        out = cupy.empty_like(q)
         times: dict = {key: [] for key in plans}
         for _ in range(args.rounds):
             for key, plan in plans.items():
@@ -257,7 +270,7 @@ def main(argv=None) -> int:
                 def call(plan=plan, turn=turn):
                     k, v = caches[turn[0] % len(caches)]
                     turn[0] += 1
-                    cupaged.decode(dev.q, k, v, table, plan, method="v2", out=out)
+                    cupaged.decode(q, k, v, table, plan, method="v2", out=out, **qo)
 
                 times[key].append(autotune.graph_time_us(call, launches=20, reps=5))
         held = held_ctas_per_sm(default)

@@ -6,15 +6,19 @@ cap the model picks and its measured regret against the best knob timed.
     python3 scripts/fit_step_model.py docs/benchmarks/chunk-sweep-h200-2026-12-01.csv
     python3 scripts/fit_step_model.py SWEEP.csv --check      # today's constants, no fit
     python3 scripts/fit_step_model.py HALF0.csv HALF1.csv     # two halves of one ladder (--quick 0 / 1)
-    python3 scripts/fit_step_model.py HALF0.csv HALF1.csv --two-per-sm SWEEP2.csv --min-pages 8
+    python3 scripts/fit_step_model.py HALF0.csv HALF1.csv --fewer-per-sm SWEEP2.csv --min-pages 8
                                                               # fp8's 2-per-SM constants, fitted jointly
+    python3 scripts/fit_step_model.py SWEEP.csv --fewer-per-sm SWEEP1.csv --min-pages 8
+                                                              # fp16's 1-per-SM constants, likewise
 
 Sweeps of fp8 cells only fit (and --check) fp8's constants at 3 CTAs per SM.
-``--two-per-sm`` (fp8): with the 3-per-SM constants as shipped, fits the 2-per-SM ones
-(``schedule.H200_COSTS_FP8_2``; hbm, cta_gbps and cta_us, the merge shared) on a sweep
-run with ``chunk_sweep.py --ctas-per-sm 2``, minimizing the regret of the planner's
+``--fewer-per-sm`` (alias ``--two-per-sm``): with the constants at the kernel's count as
+shipped (fp8: 3 per SM, fp16: 2), fits those at one fewer (``schedule.H200_COSTS_FP8_2``,
+``schedule.H200_COSTS_1``; hbm, cta_gbps and cta_us, the merge shared) on a sweep run with
+``chunk_sweep.py --ctas-per-sm 2`` (fp16: 1), minimizing the regret of the planner's
 choice: the count whose best cap the model predicts faster, its measured µs against the
-best knob of either count.
+best knob of either count. A cell named ``...qN`` (``chunk_sweep.py --qlen N``) is planned
+as its one-token twin: the model does not see query rows.
 
 The fit minimizes the mean regret of the picked caps (the planner's job),
 plus a small weight on the model's log error over every timed cap, by
@@ -30,6 +34,8 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import itertools
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +67,7 @@ class Cell:
     best: float  # best µs over every knob (uniform chunks too)
     ctas_per_chunk: int
     page_bytes: int
+    rows: bool = False  # several query tokens per request (chunk_sweep.py --qlen): the multi-token constants
 
 
 def merged_rows(paths: list[str]) -> list[dict]:
@@ -92,22 +99,27 @@ def load(paths: list[str], page_size: int = 16) -> list[Cell]:
     for name in dict.fromkeys(r["cell"] for r in rows):
         rs = [r for r in rows if r["cell"] == name]
         kv = rs[0]["kv_dtype"]
-        if ":" in name:
-            batch, spec, seed = chunk_sweep.parse_ragged(name)
+        base, qlen = re.fullmatch(r"(.*?)(?:q(\d+))?", name).groups()  # (chunk_sweep.py --qlen: the same pages)
+        if ":" in base:
+            batch, spec, seed = chunk_sweep.parse_ragged(base)
             family = {f"{b}:{sp}": sd for b, sp, sd in _common.RAGGED_FAMILY}
-            seed = family.get(name, seed)  # a family cell's name omits its seed
+            seed = family.get(base, seed)  # a family cell's name omits its seed
             lens = _common.ragged_lengths(spec, batch, seed)
         else:
-            batch, ctx, page, hq, hkv, d = chunk_sweep.parse_cell(name)
+            batch, ctx, page, hq, hkv, d = chunk_sweep.parse_cell(base)
             lens = _common.plan_layout(batch, ctx, page, seed=batch * 7 + ctx, mid_page=False,
                                        page_order="random").seq_lens
         pages = -(-np.asarray(lens) // page_size)
         caps = [(int(r["value"]), float(r["us"])) for r in rs if r["knob"] == "cap"]
         caps += [(int(r["value"]), float(r["us"])) for r in rs if r["knob"] == "default"
                  and int(r["value"]) not in {c for c, _ in caps}]  # the default's cap, where no cap row has it
-        cps = int(rs[0]["num_ctas"]) // int(rs[0]["num_chunks"])
+        # CTAs per chunk of a request (a plan of several query rows counts a chunk per row)
+        cap_row = next(r for r in rs if r["knob"] in ("cap", "default"))
+        chunks = int(schedule.split_pages(pages, int(cap_row["value"]))[1].sum())
+        cps = int(cap_row["num_ctas"]) // chunks
         cells.append(Cell(name, pages, np.array([c for c, _ in caps]), np.array([u for _, u in caps]),
-                          min(float(r["us"]) for r in rs), cps, page_size * 2 * 128 * (1 if kv == "fp8" else 2)))
+                          min(float(r["us"]) for r in rs), cps, page_size * 2 * 128 * (1 if kv == "fp8" else 2),
+                          int(qlen or 1) > 1))
     return cells
 
 
@@ -156,42 +168,82 @@ def _pick(cell: Cell, costs: schedule.StepCosts, slots: int, min_pages: int) -> 
     return float(model[i]), int(caps[i]), float(us[i]), float(np.std(np.log(model / us)))
 
 
-def joint_regrets(three: list[Cell], two: dict, costs3, costs2, min_pages: int, sms: int = 132) -> list[tuple]:
-    """Per cell of ``three`` that ``two`` has: ``(name, count, cap, µs, best
-    of either count, regret, 2-per-SM log-error)`` of the planner's choice
-    between 3 and 2 CTAs per SM (3 on ties)."""
+def joint_regrets(many: list[Cell], fewer: dict, costs_many, costs_fewer, min_pages: int,
+                  counts: tuple[int, int] = (3, 2), sms: int = 132, hi_picks: dict | None = None) -> list[tuple]:
+    """Per cell of ``many`` that ``fewer`` has: ``(name, count, cap, µs,
+    best of either count, regret, fewer-per-SM log-error)`` of the
+    planner's choice between ``counts`` CTAs per SM (``many`` timed at the
+    first, ``fewer`` at the second; the first on ties). ``costs_many`` may
+    be a function of the cell (the multi-token cells' constants);
+    ``hi_picks`` caches the first count's picks by cell name (fixed
+    ``costs_many`` only)."""
+    hi, lo = counts
     out = []
-    for c3 in three:
-        c2 = two.get(c3.name)
-        if c2 is None:
+    for c_hi in many:
+        c_lo = fewer.get(c_hi.name)
+        if c_lo is None:
             continue
-        p3, cap3, u3, _ = _pick(c3, costs3, 3 * sms, min_pages)
-        p2, cap2, u2, err2 = _pick(c2, costs2, 2 * sms, min_pages)
-        count, cap, us = (2, cap2, u2) if p2 < p3 else (3, cap3, u3)
-        best = min(c3.best, c2.best)
-        out.append((c3.name, count, cap, us, best, us / best - 1, err2))
+        costs = costs_many(c_hi) if callable(costs_many) else costs_many
+        if hi_picks is None or c_hi.name not in hi_picks:
+            picked = _pick(c_hi, costs, hi * sms, min_pages)
+            if hi_picks is not None:
+                hi_picks[c_hi.name] = picked
+        p_hi, cap_hi, u_hi, _ = picked if hi_picks is None else hi_picks[c_hi.name]
+        p_lo, cap_lo, u_lo, err_lo = _pick(c_lo, costs_fewer, lo * sms, min_pages)
+        count, cap, us = (lo, cap_lo, u_lo) if p_lo < p_hi else (hi, cap_hi, u_hi)
+        best = min(c_hi.best, c_lo.best)
+        out.append((c_hi.name, count, cap, us, best, us / best - 1, err_lo))
     return out
 
 
-def fit_two_per_sm(three: list[Cell], two: dict, costs3, start, min_pages: int, sweeps: int = 4):
-    """The 2-per-SM constants (``JOINT_FIELDS`` free) that minimize the
-    joint choice's loss (as :func:`loss`: mean + half the worst regret + a
-    small weight on the 2-per-SM model's log-error)."""
-    def value(costs2) -> float:
-        r = joint_regrets(three, two, costs3, costs2, min_pages)
+def fit_fewer_per_sm(many: list[Cell], fewer: dict, costs_many, start, min_pages: int,
+                     counts: tuple[int, int] = (3, 2), sweeps: int = 4, fields=JOINT_FIELDS, coarse: bool = False):
+    """The constants at the fewer count (``fields`` free, from ``start``)
+    that minimize the joint choice's loss (as :func:`loss`: mean + half the
+    worst regret + a small weight on the fewer-per-SM model's log-error),
+    those at the larger count fixed (``costs_many``). ``coarse``: start
+    from the best point of the coarse grid ``COARSE`` instead (fp16: the
+    coordinate search alone stays where it starts)."""
+    hi_picks: dict = {}
+
+    def costs_hi(cell):  # (the larger count's picks do not change: computed once a cell)
+        return costs_many(cell) if callable(costs_many) else costs_many
+
+    def value(costs_lo) -> float:
+        r = joint_regrets(many, fewer, costs_hi, costs_lo, min_pages, counts, hi_picks=hi_picks)
         return float(np.mean([x[5] for x in r]) + 0.5 * max(x[5] for x in r) + LOG_WEIGHT * np.mean([x[6] for x in r]))
 
+    def physical(costs) -> bool:  # a CTA streams at least its share of a full device
+        return costs.cta_gbps * counts[1] * 132 >= costs.hbm_gbps
+
     best, best_loss = start, value(start)
+    if coarse:
+        for point in itertools.product(*COARSE.values()):
+            trial = schedule.StepCosts(*map(float, point))
+            if physical(trial):
+                trial_loss = value(trial)
+                if trial_loss < best_loss - 1e-12:
+                    best, best_loss = trial, trial_loss
     for _ in range(sweeps):
-        for field in JOINT_FIELDS:
+        for field in fields:
             for v in GRID[field]:
                 trial = dataclasses.replace(best, **{field: float(v)})
-                if trial.cta_gbps * 2 * 132 < trial.hbm_gbps:
+                if not physical(trial):
                     continue
                 trial_loss = value(trial)
                 if trial_loss < best_loss - 1e-12:
                     best, best_loss = trial, trial_loss
     return best
+
+
+#: The coarse grid of ``fit_fewer_per_sm(..., coarse=True)``, in StepCosts' field order.
+COARSE = {
+    "hbm_gbps": (3600.0, 4000.0, 4700.0),
+    "cta_gbps": np.arange(16.0, 43.0, 2.0),
+    "cta_us": np.arange(0.0, 8.5, 1.0),
+    "merge_us": np.arange(0.0, 16.5, 2.0),
+    "merge_us_per_chunk": (0.0, 0.35, 0.7),
+}
 
 
 def main(argv=None) -> int:
@@ -200,9 +252,10 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="report today's constants without fitting")
     p.add_argument("--min-pages", type=int, default=4,
                    help="smallest cap the planner considers, in pages of 16 tokens")
-    p.add_argument("--two-per-sm", nargs="+", default=None, metavar="CSV",
-                   help="fp8: fit the 2-per-SM constants jointly on this sweep (chunk_sweep.py --ctas-per-sm 2), "
-                        "the 3-per-SM ones as shipped (with --check: report the shipped pair)")
+    p.add_argument("--fewer-per-sm", "--two-per-sm", nargs="+", default=None, metavar="CSV", dest="fewer_per_sm",
+                   help="fit the constants at one CTA per SM fewer (fp8: 2, chunk_sweep.py --ctas-per-sm 2; "
+                        "fp16: 1) jointly on this sweep, those at the kernel's count as shipped (with --check: "
+                        "report the shipped pair)")
     p.add_argument("--slots", type=int, default=None,
                    help="resident CTAs on the device (default: 2 per SM x 132 SMs; fp8 sweeps 3 per SM)")
     args = p.parse_args(argv)
@@ -211,12 +264,23 @@ def main(argv=None) -> int:
     start = schedule.H200_COSTS_FP8 if fp8 else schedule.H200_COSTS
     if args.slots is None:
         args.slots = (3 if fp8 else 2) * 132
-    if args.two_per_sm is not None:
-        two = {c.name: c for c in load(args.two_per_sm)}
-        costs2 = schedule.H200_COSTS_FP8_2 if args.check else fit_two_per_sm(
-            cells, two, schedule.H200_COSTS_FP8, schedule.H200_COSTS_FP8, args.min_pages)
-        print(costs2)
-        rows = joint_regrets(cells, two, schedule.H200_COSTS_FP8, costs2, args.min_pages)
+    if args.fewer_per_sm is not None:
+        hi = 3 if fp8 else 2
+        counts = (hi, hi - 1)
+
+        def costs_hi(cell: Cell) -> schedule.StepCosts:
+            return schedule.costs_for(1 if fp8 else 2, hi, cell.rows)
+
+        shipped = schedule.costs_for(1 if fp8 else 2, hi - 1)
+        fewer = {c.name: c for c in load(args.fewer_per_sm)}
+        # fp8: from the 3-per-SM constants, hbm, cta_gbps and cta_us free (the merge shared); fp16: from
+        # the coarse grid's best, every constant free (a lone CTA's merge runs on an SM of its own too)
+        start = schedule.costs_for(1 if fp8 else 2, hi)
+        fields = JOINT_FIELDS if fp8 else tuple(GRID)
+        costs_lo = shipped if args.check else fit_fewer_per_sm(cells, fewer, costs_hi, start, args.min_pages, counts,
+                                                               fields=fields, coarse=not fp8)
+        print(costs_lo)
+        rows = joint_regrets(cells, fewer, costs_hi, costs_lo, args.min_pages, counts)
         for name, count, cap, us, best, regret, _ in rows:
             print(f"{name:28s} {count} per SM, cap {cap:5d} {us:9.2f} us  best of both {best:9.2f}  "
                   f"regret {regret * 100:+5.1f}%")

@@ -549,10 +549,16 @@ def test_default_plan_is_balanced_and_minimizes_the_model():
         hkv = int(rng.choice([1, 8, 32]))
         t = table_from_pages(rng, pages)
         p = plan_decode(t, 4 * hkv, hkv, 128, "float16", num_sms=132)
-        # the cap the model picks, over the same ladder, from the outside
+        # the count and cap the model picks, over the same ladder, from the outside: at 2 CTAs per SM and
+        # at 1, each with its constants (2 on ties)
         caps = schedule.candidate_caps(max(1, int(pages.max())), 8)
-        model = schedule.predict_step_us(pages, caps, hkv, 264, 16 * 2 * 128 * 2)
-        best = caps[int(np.argmin(model))]  # ties: the largest cap (caps descend), as the planner documents
+        picks = []
+        for count, costs in ((2, schedule.H200_COSTS), (1, schedule.H200_COSTS_1)):
+            model = schedule.predict_step_us(pages, caps, hkv, count * 132, 16 * 2 * 128 * 2, costs)
+            i = int(np.argmin(model))  # ties: the largest cap (caps descend), as the planner documents
+            picks.append((float(model[i]), count, caps[i]))
+        _, count, best = picks[1] if picks[1][0] < picks[0][0] else picks[0]
+        assert p.ctas_per_sm == count, pages.tolist()
         assert [tuple(x) for x in zip(p.request_chunk_pages.tolist(), p.request_chunks.tolist())] == \
             brute_split(pages, best), pages.tolist()
         assert p.pages_per_chunk == max(c for c, _ in brute_split(pages, best))
