@@ -810,7 +810,10 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     row_pages = pages
     if group_last is not None:
         pages = row_pages[group_last]  # a row splits as its group's last row
-    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
+    # (warp pairs at the kernel's CTAs per SM only: a small grid of pairs ran up to 15 % slower held to one per
+    # SM, H200 chunk sweeps, docs/architecture.md "One CTA per SM")
+    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
+        pages, group_last, *knobs, not paired)
     if paired and int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS:
         # The last CTA of a group merges all its rows' partials: on warp pairs
         # twice the rows, which outlasts the pairs' saving once a group has
@@ -968,14 +971,15 @@ def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None,
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
               deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-              target_ctas: int | None, num_sms: int | None,
-              rows: bool = False) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
+              target_ctas: int | None, num_sms: int | None, rows: bool = False,
+              fewer: bool = True) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
     """``(target_ctas, chunk_pages, chunks, units, longest, ctas_per_sm)`` of
     :func:`plan_decode` (its arguments already checked): the CTA target,
     each request's chunk size and count (in the dtype of ``pages``), the
     chunk count in all, the largest chunk size and the CTAs per SM the
     launches hold to. ``rows``: some CTA holds several query tokens' rows
-    (the step model's multi-token constants)."""
+    (the step model's multi-token constants); ``fewer``: the default plan
+    may weigh fewer CTAs per SM than the kernel's count."""
     target, sms = _target_and_sms(target_ctas, num_sms)
     held = ctas_per_sm(dt, kv_dt, d, hpc)
     longest_request = None
@@ -990,7 +994,7 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     else:
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
-            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows)
+            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows, fewer)
         c = None
     if c is None:
         return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)

@@ -257,13 +257,14 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
 
 
 def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, resident: int, page_bytes: int,
-                             min_pages: int, kv_itemsize: int, rows: bool = False) -> tuple[int, int, int]:
+                             min_pages: int, kv_itemsize: int, rows: bool = False,
+                             fewer: bool = True) -> tuple[int, int, int]:
     """``(ctas_per_sm, cap, longest)``: over the CTAs-per-SM counts of
     :func:`residency_choices` (each with its own constants, of
-    :func:`costs_for` with ``rows``, and ``count * sms`` slots), the count
-    and chunk cap of least predicted step time (the most CTAs per SM among
-    ties), and the longest request's pages. One count:
-    :func:`choose_max_pages_per_chunk`'s cap.
+    :func:`costs_for` with ``rows``, and ``count * sms`` slots; only
+    ``resident`` when not ``fewer``), the count and chunk cap of least
+    predicted step time (the most CTAs per SM among ties), and the longest
+    request's pages. One count: :func:`choose_max_pages_per_chunk`'s cap.
 
     >>> choose_cap_and_residency(np.array([2048] * 4), 8, 132, 2, 16 * 512, 8, 2)[:2]
     (2, 256)
@@ -271,7 +272,7 @@ def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, r
     length, first = _sorted_lengths(pages)
     pooled, some_empty = _pool(length[::-1]), length[0] <= 0
     best = None
-    for count in residency_choices(kv_itemsize, resident):
+    for count in residency_choices(kv_itemsize, resident) if fewer else (resident,):
         t, cap = _best_cap(pooled, some_empty, first, length.size, ctas_per_chunk, count * sms, page_bytes,
                            min_pages, costs_for(kv_itemsize, count, rows))
         if best is None or t < best[0]:

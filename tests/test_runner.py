@@ -82,7 +82,7 @@ def test_runner_holds_its_plan_while_requests_grow():
     float64: the kernel clips a chunk to its request. A join re-plans."""
     rng = np.random.default_rng(11)
     k, v, k_h, v_h = _pool(rng, 6000)
-    lens = np.array([20000, 31, 300, 1000, 15, 2047])  # the first split (held fixed); the rest grow
+    lens = np.array([20000, 31, 300, 1000, 15, 1500])  # the first split (held fixed); the rest grow, unsplit
     need = -(-(lens + 8) // P)
     pool = rng.permutation(6000).astype(np.int32)
     own = np.split(pool[: int(need.sum())], np.cumsum(need)[:-1])
@@ -93,9 +93,9 @@ def test_runner_holds_its_plan_while_requests_grow():
 
     runner = cupaged.DecodeRunner(HQ, HKV, D, F16, page_size=P, max_batch=8, max_pages=6000)
     first = runner.plan(table_of(lens))
-    assert first.request_chunks[0] > 1 and first.request_chunks[1] == first.request_chunks[4] == 1
+    assert first.request_chunks[0] > 1 and (first.request_chunks[1:] == 1).all()  # (the premise)
     for step in range(1, 9):
-        table = table_of(lens + np.r_[0, [step] * 5])  # 31 -> 39, 15 -> 23, 2047 -> 2055: new pages
+        table = table_of(lens + np.r_[0, [step] * 5])  # 31 -> 39, 15 -> 23, 300 -> 308, 1500 -> 1508: new pages
         assert runner.plan(table) is first, "requests that grew within their chunks re-planned"
         _run_checked(runner, rng, 8, (k, v, k_h, v_h), table)
     joined = cupaged.PageTable.from_seq_lens([*table.seq_lens.tolist(), 5], P,
