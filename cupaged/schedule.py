@@ -40,9 +40,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_1", "H200_COSTS_ROWS", "H200_COSTS_FP8", "H200_COSTS_FP8_2", "costs_for",
-           "residency_choices",
-           "split_pages", "candidate_caps", "predict_step_us", "choose_max_pages_per_chunk", "choose_cap_and_residency"]
+__all__ = ["StepCosts", "H200_COSTS", "H200_COSTS_1", "H200_COSTS_ROWS", "H200_COSTS_FP8", "H200_COSTS_FP8_2",
+           "costs_for", "residency_choices", "split_pages", "candidate_caps", "predict_step_us",
+           "choose_max_pages_per_chunk", "choose_cap_and_residency"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,35 +133,42 @@ H200_COSTS_FP8 = StepCosts(hbm_gbps=4900.0, cta_gbps=14.0, cta_us=2.75, merge_us
 H200_COSTS_FP8_2 = StepCosts(hbm_gbps=4600.0, cta_gbps=18.5, cta_us=4.25, merge_us=9.0, merge_us_per_chunk=0.3)
 
 
-def costs_for(kv_itemsize: int, ctas_per_sm: int | None = None, rows: bool = False) -> StepCosts:
+def costs_for(kv_itemsize: int, ctas_per_sm: int | None = None, rows: bool = False,
+              resident: int | None = None) -> StepCosts:
     """The step model's constants for a KV cache of ``kv_itemsize`` bytes per
-    element at ``ctas_per_sm`` CTAs per SM (None: the kernel's count), CTAs
-    of several query tokens' rows or not (``rows``): fp8 (1) has its own, at
-    3 and at 2 per SM; 16-bit and float32 share fp16's, at 2 per SM (with
-    ``rows``: :data:`H200_COSTS_ROWS`) and at 1.
+    element at ``ctas_per_sm`` CTAs per SM (None: the kernel's count) of an
+    instance that fits ``resident`` (None: more than 1), CTAs of several
+    query tokens' rows or not (``rows``): fp8 (1) has its own, at 3 and at 2
+    per SM; 16-bit and float32 share fp16's, at 2 per SM (with ``rows``:
+    :data:`H200_COSTS_ROWS`) and, held to 1 below the kernel's count, at 1.
 
     >>> costs_for(1) is H200_COSTS_FP8, costs_for(1, 2) is H200_COSTS_FP8_2
     (True, True)
     >>> costs_for(2) is H200_COSTS, costs_for(2, 2, rows=True) is H200_COSTS_ROWS, costs_for(2, 1) is H200_COSTS_1
     (True, True, True)
+    >>> costs_for(2, 1, resident=1) is H200_COSTS   # an instance that fits only 1: its own count
+    True
     """
     if kv_itemsize != 1:
-        if ctas_per_sm == 1:
+        if ctas_per_sm == 1 and (resident is None or resident > 1):
             return H200_COSTS_1
         return H200_COSTS_ROWS if rows else H200_COSTS
     return H200_COSTS_FP8_2 if ctas_per_sm == 2 else H200_COSTS_FP8
 
 
-def residency_choices(kv_itemsize: int, resident: int) -> tuple[int, ...]:
+def residency_choices(kv_itemsize: int, resident: int, head_dim: int = 128) -> tuple[int, ...]:
     """The CTAs-per-SM counts a default plan weighs, most first: the
     kernel's count ``resident``, and one fewer where the model has constants
-    for both: fp8 instances that fit 3 (and 2), 16-bit ones that fit 2 (and
-    1: a small grid's CTA streams faster alone on its SM).
+    for both: fp8 instances that fit 3 (and 2), 16-bit ones of head_dim 128
+    that fit 2 (and 1: a small grid's CTA streams faster alone on its SM;
+    the sweeps behind :data:`H200_COSTS_1` timed head_dim 128 only).
 
     >>> residency_choices(1, 3), residency_choices(2, 2), residency_choices(1, 2), residency_choices(4, 2)
     ((3, 2), (2, 1), (2,), (2,))
+    >>> residency_choices(2, 2, head_dim=64)
+    (2,)
     """
-    if (kv_itemsize, resident) in ((1, 3), (2, 2)):
+    if (kv_itemsize, resident) == (1, 3) or ((kv_itemsize, resident) == (2, 2) and head_dim == 128):
         return resident, resident - 1
     return (resident,)
 
@@ -258,7 +265,7 @@ def choose_max_pages_per_chunk(pages: np.ndarray, ctas_per_chunk: int, slots: in
 
 def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, resident: int, page_bytes: int,
                              min_pages: int, kv_itemsize: int, rows: bool = False,
-                             fewer: bool = True) -> tuple[int, int, int]:
+                             fewer: bool = True, head_dim: int = 128) -> tuple[int, int, int]:
     """``(ctas_per_sm, cap, longest)``: over the CTAs-per-SM counts of
     :func:`residency_choices` (each with its own constants, of
     :func:`costs_for` with ``rows``, and ``count * sms`` slots; only
@@ -272,9 +279,9 @@ def choose_cap_and_residency(pages: np.ndarray, ctas_per_chunk: int, sms: int, r
     length, first = _sorted_lengths(pages)
     pooled, some_empty = _pool(length[::-1]), length[0] <= 0
     best = None
-    for count in residency_choices(kv_itemsize, resident) if fewer else (resident,):
+    for count in residency_choices(kv_itemsize, resident, head_dim) if fewer else (resident,):
         t, cap = _best_cap(pooled, some_empty, first, length.size, ctas_per_chunk, count * sms, page_bytes,
-                           min_pages, costs_for(kv_itemsize, count, rows))
+                           min_pages, costs_for(kv_itemsize, count, rows, resident))
         if best is None or t < best[0]:
             best = (t, count, cap)
     return best[1], best[2], first

@@ -95,7 +95,7 @@ def knobs(longest_pages: int) -> list[tuple[str, int]]:
     >>> [v for k, v in knobs(64) if k == "uniform"]
     [1, 2, 4, 8, 16, 32, 64]
     >>> [v for k, v in knobs(64) if k == "cap"][:6], [v for k, v in knobs(64) if k == "cap"][-3:]
-    ([64, 32, 22, 16, 13, 11], [4, 3, 2])
+    ([64, 32, 22, 16, 13, 11], [6, 5, 4])
     """
     from cupaged.schedule import candidate_caps
 
@@ -282,13 +282,15 @@ def main(argv=None) -> int:
         held_slots = default.ctas_per_sm * resolve_num_sms()  # the default's count (fp8: 3 or 2 per SM)
         default_cap = schedule.choose_max_pages_per_chunk(pages, default.heads_groups, held_slots, page_bytes,
                                                           min_pages, schedule.costs_for(1 if fp8 else 2,
-                                                                                        default.ctas_per_sm))
+                                                                                        default.ctas_per_sm,
+                                                                                        args.qlen > 1))
         for (knob, value), plan in plans.items():
             if knob in ("cap", "default", "request_order"):  # (the model at the plan's own count)
                 cap = value if knob == "cap" else default_cap
                 model = float(schedule.predict_step_us(pages, np.array([cap]), plan.heads_groups,
                                                        plan.ctas_per_sm * resolve_num_sms(), page_bytes,
-                                                       schedule.costs_for(1 if fp8 else 2, plan.ctas_per_sm))[0])
+                                                       schedule.costs_for(1 if fp8 else 2, plan.ctas_per_sm,
+                                                                          args.qlen > 1))[0])
             else:
                 model = float("nan")
             us = float(np.median(times[(knob, value)]))

@@ -127,14 +127,16 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
         sms = resolve_num_sms(num_sms)
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         best = None
-        # fp8 instances that fit 3 CTAs per SM weigh 2 as well, 16-bit ones that fit 2 weigh 1, each count
-        # with its constants
+        # fp8 instances that fit 3 CTAs per SM weigh 2 as well, 16-bit ones of head_dim 128 that fit 2
+        # weigh 1, each count with its constants (1 per SM's only below the kernel's count)
         counts = {(1, 3): (3, 2), (2, 2): (2, 1)}.get((kv_dt.itemsize, held), (held,))
+        if kv_dt.itemsize == 2 and d != 128:
+            counts = (held,)
         for count in counts:
             if kv_dt.itemsize == 1:
                 costs = schedule.H200_COSTS_FP8_2 if count == 2 else schedule.H200_COSTS_FP8
             else:
-                costs = schedule.H200_COSTS_1 if count == 1 else H200_COSTS
+                costs = schedule.H200_COSTS_1 if count == 1 < held else H200_COSTS
             cap = ref_choose_max_pages_per_chunk(pages, grid_y, count * sms, page_bytes,
                                                  -(-MIN_CHUNK_TOKENS // page_size), costs)
             t = ref_predict_step_us(pages, np.array([cap]), grid_y, count * sms, page_bytes, costs)[0]
