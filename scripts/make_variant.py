@@ -20,6 +20,12 @@ be rerun without hand-editing a tree:
   ``pdl_prefetch`` and ``prefetch_q``, whose A/B is in
   docs/benchmarks/h200-prefetch-ab-2026-12-02.md).
 
+* ``prefetch_256`` (issue 20, twenty-third session): ``prefetch_first_tile``
+  warms up to 256 slots of the chunk instead of 64, so a small cell's whole
+  chunk (128-256 tokens) is in the L2 when ``griddepcontrol.wait`` returns;
+* ``no_merge`` (a probe, wrong results): a split chunk returns after writing
+  its partials (no fence, ticket or merge): the fused merge's cost ceiling.
+
 * ``fp8_bitmove``, ``fp8_noconv``: the fp8 tensor-core core widening e4m3 by
   bit moves instead of ``cvt`` (1-3 % slower on the H200), and the same with no
   widening at all (wrong values: the conversions' cost ceiling, 1-2 % faster
@@ -231,6 +237,11 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "no_evict_first": [("attend_mma.cuh", "constexpr bool EVICT_FIRST = sizeof(KV) == 2;",
                         "constexpr bool EVICT_FIRST = false;  // variant no_evict_first")],
     "no_prefetch": [("paged_decode_partial.cu", _PREFETCH_CALL, "  // variant no_prefetch\n")],
+    "prefetch_256": [("paged_decode_partial.cu", "const int n = min(slot_end - slot_begin, 64) * LINES;",
+                      "const int n = min(slot_end - slot_begin, 256) * LINES;  // variant prefetch_256")],
+    "no_merge": [("paged_decode_partial.cu",
+                  "  // Release this CTA's partials, then take a ticket; the last one merges.\n",
+                  "  return;  // variant no_merge (a probe: the output is wrong)\n")],
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
