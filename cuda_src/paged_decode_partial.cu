@@ -16,7 +16,7 @@
 // (and final_lse). A request with several chunks writes each chunk's partial
 // (normalized by the chunk's own softmax denominator, float32) and its LSE to
 // partial_v / partial_lse; the last of its CTAs to finish (an atomic ticket in
-// merge_counters after a device-wide fence) merges them into final_out with
+// merge_counters, acquire-release at GPU scope) merges them into final_out with
 // the closed-form exp2/log2 rescale (merge.cuh) and resets its counter to 0.
 // Every output element is written by exactly one CTA.
 //
@@ -316,14 +316,21 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
     if (num_chunks == 1) return;
   }
 
-  // Release this CTA's partials, then take a ticket; the last one merges.
-  __threadfence();
+  // Release this CTA's partials, then take a ticket; the last one merges. One
+  // acq_rel atomic of thread 0 after the barrier (the barrier orders every
+  // thread's partials before its release; the second barrier its acquire
+  // before every thread's loads, as cooperative groups' grid sync does):
+  // 0.3 us less than a fence in every thread, the atomic and an acquire fence
+  // (H200, docs/benchmarks/h200-merge-probes-2026-12-03.md).
   __syncthreads();
   int* counter = p.merge_counters + (long long)req * heads_groups + y;
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
+  if (threadIdx.x == 0) {
+    int ticket;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    is_last = ticket == num_chunks - 1;
+  }
   __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // acquire: the other CTAs' partials are visible from here on
+  if (!is_last) return;  // from here on the other CTAs' partials are visible
   constexpr int D4 = HEAD_DIM / 4;
   for (int item = threadIdx.x; item < rows * HEADS * D4; item += Attn::THREADS) {
     const int r = item / D4, d = (item % D4) * 4;

@@ -25,6 +25,10 @@ be rerun without hand-editing a tree:
   chunk (128-256 tokens) is in the L2 when ``griddepcontrol.wait`` returns;
 * ``no_merge`` (a probe, wrong results): a split chunk returns after writing
   its partials (no fence, ticket or merge): the fused merge's cost ceiling.
+* ``fenced_ticket``: the fused merge's ticket as before 2026-12-03 (a fence in
+  every thread, a relaxed atomic, an acquire fence), for A/B against today's
+  single ``atom.add.acq_rel.gpu`` of thread 0 (0.94-1.00x the time on the
+  issue-5 small cells; thread 0 alone fencing, ``fence_once`` then, 0.99x).
 
 * ``fp8_bitmove``, ``fp8_noconv``: the fp8 tensor-core core widening e4m3 by
   bit moves instead of ``cvt`` (1-3 % slower on the H200), and the same with no
@@ -228,6 +232,26 @@ _FOLD_SCALE = [
 ]
 
 
+# the fused merge's ticket (paged_decode_partial.cu), and as it was before 2026-12-03
+_TICKET_NOW = """  __syncthreads();
+  int* counter = p.merge_counters + (long long)req * heads_groups + y;
+  if (threadIdx.x == 0) {
+    int ticket;
+    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
+    is_last = ticket == num_chunks - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;  // from here on the other CTAs' partials are visible
+"""
+_TICKET_FENCED = """  __threadfence();  // variant fenced_ticket
+  __syncthreads();
+  int* counter = p.merge_counters + (long long)req * heads_groups + y;
+  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // acquire: the other CTAs' partials are visible from here on
+"""
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
@@ -240,8 +264,9 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "prefetch_256": [("paged_decode_partial.cu", "const int n = min(slot_end - slot_begin, 64) * LINES;",
                       "const int n = min(slot_end - slot_begin, 256) * LINES;  // variant prefetch_256")],
     "no_merge": [("paged_decode_partial.cu",
-                  "  // Release this CTA's partials, then take a ticket; the last one merges.\n",
+                  "  // Release this CTA's partials, then take a ticket; the last one merges. One\n",
                   "  return;  // variant no_merge (a probe: the output is wrong)\n")],
+    "fenced_ticket": [("paged_decode_partial.cu", _TICKET_NOW, _TICKET_FENCED)],
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
