@@ -22,7 +22,8 @@ be rerun without hand-editing a tree:
 
 * ``prefetch_256`` (issue 20, twenty-third session): ``prefetch_first_tile``
   warms up to 256 slots of the chunk instead of 64, so a small cell's whole
-  chunk (128-256 tokens) is in the L2 when ``griddepcontrol.wait`` returns;
+  chunk (128-256 tokens) is in the L2 when ``griddepcontrol.wait`` returns
+  (1-10 % slower on the H200, docs/benchmarks/h200-merge-probes-2026-12-03.md);
 * ``no_merge`` (a probe, wrong results): a split chunk returns after writing
   its partials (no fence, ticket or merge): the fused merge's cost ceiling.
 * ``fenced_ticket``: the fused merge's ticket as before 2026-12-03 (a fence in
