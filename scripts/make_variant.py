@@ -233,25 +233,15 @@ _FOLD_SCALE = [
 ]
 
 
-# the fused merge's ticket (paged_decode_partial.cu), and as it was before 2026-12-03
-_TICKET_NOW = """  __syncthreads();
-  int* counter = p.merge_counters + (long long)req * heads_groups + y;
-  if (threadIdx.x == 0) {
-    int ticket;
-    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");
-    is_last = ticket == num_chunks - 1;
-  }
-  __syncthreads();
-  if (!is_last) return;  // from here on the other CTAs' partials are visible
-"""
-_TICKET_FENCED = """  __threadfence();  // variant fenced_ticket
-  __syncthreads();
-  int* counter = p.merge_counters + (long long)req * heads_groups + y;
-  if (threadIdx.x == 0) is_last = atomicAdd(counter, 1) == num_chunks - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();  // acquire: the other CTAs' partials are visible from here on
-"""
+# fenced_ticket: the fused merge's ticket as it was before 2026-12-03 (fences around a relaxed atomic)
+_TICKET_ASM = '    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");\n'
+_FENCED_TICKET = [
+    ("paged_decode_partial.cu", "  __syncthreads();\n  int* counter = p.merge_counters",
+     "  __threadfence();  // variant fenced_ticket\n  __syncthreads();\n  int* counter = p.merge_counters"),
+    ("paged_decode_partial.cu", _TICKET_ASM, "    ticket = atomicAdd(counter, 1);\n"),
+    ("paged_decode_partial.cu", "  if (!is_last) return;  // from here on the other CTAs' partials are visible\n",
+     "  if (!is_last) return;\n  __threadfence();  // acquire\n"),
+]
 
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
@@ -267,7 +257,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "no_merge": [("paged_decode_partial.cu",
                   "  // Release this CTA's partials, then take a ticket; the last one merges. One\n",
                   "  return;  // variant no_merge (a probe: the output is wrong)\n")],
-    "fenced_ticket": [("paged_decode_partial.cu", _TICKET_NOW, _TICKET_FENCED)],
+    "fenced_ticket": _FENCED_TICKET,
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
