@@ -53,7 +53,8 @@ be rerun without hand-editing a tree:
   on 4 instead of 8; the plain kernel's merge is untouched. For batch-1 multi-token cells,
   where the grouped path trails the one-row-per-token table (1 x 1024 q_len 4: 9.9 against
   7.0 us, docs/benchmarks/h200-features2-2026-12-03.md). Compiles without spills or stack
-  at head_dim 128 (fp16 rows 244-246 registers, fp8 168).
+  at head_dim 128 (fp16 rows 244-246 registers, fp8 168); the partial and merge families'
+  machine code is unchanged (``sass_hash.py --families partial merge``: 306 of 306 identical).
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
