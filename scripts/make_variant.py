@@ -55,6 +55,9 @@ be rerun without hand-editing a tree:
   7.0 us, docs/benchmarks/h200-features2-2026-12-03.md). Compiles without spills or stack
   at head_dim 128 (fp16 rows 244-246 registers, fp8 168); the partial and merge families'
   machine code is unchanged (``sass_hash.py --families partial merge``: 306 of 306 identical).
+  As an experiment it copies ``merge_partials``' loop and adds a GROUPS-only merge loop; if it
+  is kept, ``merge_partials`` becomes the one ITEMS template (the plain kernel's call ITEMS = 1,
+  checked with sass_hash) and the fused merge one loop over a thread's items, not two copies.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
