@@ -74,6 +74,15 @@ MAX_GRID_X = 2**31 - 1
 #: than this: then its last CTA's merge of twice the rows outlasts the saving
 #: (H200, docs/architecture.md "Warp pairs for q_len 8").
 PAIR_MAX_CHUNKS = 4
+#: A default multi-token plan (``group_tokens=None``) of a 16-bit cache runs
+#: one row per query token, without row groups, when its rows read at most
+#: this many KV bytes in all (each row its own visible pages, all kv heads):
+#: such a step is a few tiles per CTA, where a group's last CTA merging all
+#: its rows costs more than the repeated (L2-resident) K/V reads (H200, q_len
+#: 2-8, batch 1-4, ctx 512-4096: one row per token faster on every cell up to
+#: 32 MiB, groups on all but one above; docs/architecture.md "Small steps:
+#: one row per token").
+ROW_TABLE_MAX_BYTES = 32 << 20
 
 ENV_NUM_SMS = "CUPAGED_NUM_SMS"
 ENV_TARGET_CTAS = "CUPAGED_TARGET_CTAS"
@@ -666,7 +675,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
                 deterministic: bool = False, pages_per_chunk: int | None = None,
                 max_pages_per_chunk: int | None = None, target_ctas: int | None = None,
                 num_sms: int | None = None, window_left: Any = None, qo_indptr: Any = None,
-                group_tokens: bool = True) -> DecodePlan:
+                group_tokens: bool | None = None) -> DecodePlan:
     """Plan a split-KV decode of ``table`` on the host (NumPy; no GPU needed).
 
     One CTA per (chunk, KV head, q-head group); a chunk is at most
@@ -730,9 +739,15 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
             ``table.query_rows(qo_indptr)``, one row per query token (with a
             window, each row's own), the table ``decode(..., qo_indptr=...)``
             runs on. Without a window, a request's consecutive tokens form
-            row groups (``group_last``) that read each chunk's K/V once.
-        group_tokens: keyword-only bool (default True); False plans every
-            query row on its own (each reads its K/V), as with a window.
+            row groups (``group_last``) that read each chunk's K/V once
+            (but see ``group_tokens``).
+        group_tokens: keyword-only None (default), True or False. True
+            forms row groups wherever the kernel can; False plans every
+            query row on its own (each reads its K/V), as with a window;
+            None forms them unless the step is small: a 16-bit cache whose
+            rows read at most :data:`ROW_TABLE_MAX_BYTES` of KV in all
+            (then one row per token runs faster). ``deterministic`` plans
+            always form them (the choice must not depend on the batch).
 
     Environment variables are read at call time; an empty value counts as
     unset.
@@ -798,6 +813,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     q_groups = group // hpc
     grid_y = hkv * q_groups
     group_last, paired = None, False
+    if group_tokens is None:
+        group_tokens = deterministic or ptr is None or not _rows_read_little(pages, page_size, hkv, d, kv_dt)
     tokens = _group_tokens(dt, kv_dt, d, hpc) if ptr is not None and group_tokens else None
     if tokens is not None:
         q_len = np.diff(ptr)
@@ -814,10 +831,15 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     # SM, H200 chunk sweeps, docs/architecture.md "One CTA per SM")
     target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
         pages, group_last, *knobs, not paired)
-    if paired and int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS:
+    if paired and (int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
+                   or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk,
+                                       target_ctas, num_sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
         # twice the rows, which outlasts the pairs' saving once a group has
-        # many chunks (a small step): then groups of one warp's rows.
+        # many chunks (a small step): then groups of one warp's rows. So too
+        # when the pairs' default plan leaves SMs idle (the model, pricing that
+        # merge, keeps a small step's groups whole; each CTA's tiles then run
+        # one after another: 1-4 x 512 q_len 8, 8-32 CTAs, 20 us).
         group_last = _row_groups(ptr, q_len, single)
         pages = row_pages[group_last]
         target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
@@ -855,13 +877,34 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     })
 
 
+def _rows_read_little(pages: np.ndarray, page_size: int, hkv: int, d: int, kv_dt: np.dtype) -> bool:
+    """Whether the query rows of ``pages`` (a rows table's request pages)
+    read at most :data:`ROW_TABLE_MAX_BYTES` of a 16-bit cache in all."""
+    if kv_dt.itemsize != 2:  # (fp8 not measured; float32 has no row groups)
+        return False
+    row_pages = int(np.add.reduce(pages, dtype=np.int64))
+    return row_pages * page_size * 2 * d * kv_dt.itemsize * hkv <= ROW_TABLE_MAX_BYTES
+
+
+def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
+                     target_ctas: int | None, num_sms: int | None) -> bool:
+    """Whether a default plan (no chunk knobs, not deterministic: its
+    groups must not depend on the batch) of warp pairs has fewer ``ctas``
+    than SMs."""
+    if deterministic or pages_per_chunk is not None or max_pages_per_chunk is not None:
+        return False
+    sms = _target_and_sms(target_ctas, num_sms)[1]
+    return sms is not None and ctas < sms
+
+
 def _knobs(deterministic: Any, group_tokens: Any, pages_per_chunk: Any, max_pages_per_chunk: Any,
            target_ctas: Any, num_sms: Any) -> tuple:
     """plan_decode's knobs, checked: ``(pages_per_chunk,
     max_pages_per_chunk, target_ctas, num_sms)`` as ints (or None)."""
-    for name, flag in (("deterministic", deterministic), ("group_tokens", group_tokens)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise InvalidArgumentError(f"{name} must be True or False, got {flag!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise InvalidArgumentError(f"deterministic must be True or False, got {deterministic!r}")
+    if group_tokens is not None and not isinstance(group_tokens, (bool, np.bool_)):
+        raise InvalidArgumentError(f"group_tokens must be None, True or False, got {group_tokens!r}")
     return (None if pages_per_chunk is None else _chunk_size(pages_per_chunk, "pages_per_chunk"),
             None if max_pages_per_chunk is None else _chunk_size(max_pages_per_chunk, "max_pages_per_chunk"),
             None if target_ctas is None else positive_int(target_ctas, "target_ctas"),

@@ -58,7 +58,9 @@ def time_cell(batch: int, ctx: int, kv: str, rng, q_len: int = 1) -> tuple[float
         k = cp.random.standard_normal((npg, P, HKV, D), dtype=cp.float32).astype(cp.float16)
         v = cp.random.standard_normal((npg, P, HKV, D), dtype=cp.float32).astype(cp.float16)
     kw = {"qo_indptr": np.arange(batch + 1, dtype=np.int32) * q_len} if q_len > 1 else {}
-    plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, kv_dtype=np.uint8 if kv == "fp8" else None, **kw)
+    # (q_len > 1: always row groups, the rows kernel, whatever the default would pick for the cell)
+    plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, kv_dtype=np.uint8 if kv == "fp8" else None, **kw,
+                               **({"group_tokens": True} if kw else {}))
     q = cp.random.standard_normal((batch * q_len, HQ, D), dtype=cp.float32).astype(cp.float16)
     out = cp.empty_like(q)
     stream = cp.cuda.Stream(non_blocking=True)

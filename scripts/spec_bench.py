@@ -3,8 +3,10 @@
 
 Per cell (q_len x batch x ctx; every request sees ctx tokens; 32 q / 8 kv
 heads, head_dim 128, page 16, fp16) it times with held plans, under CUDA-graph
-replay (cupaged.testing.GraphTimer): v2 (cupaged.decode with qo_indptr),
-v2_rows (planned with group_tokens=False: one KV read per query row), v2_q1
+replay (cupaged.testing.GraphTimer): v2 (cupaged.decode with qo_indptr, the
+default plan), v2_groups (planned with group_tokens=True: a request's rows in
+groups that read each chunk's K/V once), v2_rows (group_tokens=False: one KV
+read per query row; the default picks one of the two), v2_q1
 (one-token decode of each request's last token) and, when flashinfer and torch
 import, fa2 / fa3 (flashinfer.BatchPrefillWithPagedKVCacheWrapper, causal, on
 the same CUDA stream; a call that cannot be captured is timed with events).
@@ -43,12 +45,13 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace, as scripts/microben
 TOL = 2e-2  # max relative error allowed between two methods' outputs
 Q1_TARGET, Q1_MIN_KV = 1.15, 256 << 20  # target (a)
 NOISY_PCT = 10.0  # a method whose rounds spread more than this gets a note
-CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "v2_us", "v2_spread_pct", "v2_rows_us", "v2_q1_us", "ratio_q1",
-               "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2", "max_rel_err_vs_fi", "note")
+CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "v2_us", "v2_spread_pct", "v2_groups_us", "v2_rows_us", "v2_q1_us",
+               "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2", "max_rel_err_vs_fi", "note")
 SHOW_COLUMNS = CSV_COLUMNS[:5] + ("v2_tbps",) + CSV_COLUMNS[5:]
 #: the terminal table: short header per row key
 TEXT_COLUMNS = {"q_len": "q_len", "batch": "batch", "ctx": "ctx", "kv_mb": "KV MB", "v2_us": "v2 us", "v2_tbps": "TB/s",
-                "v2_spread_pct": "spread%", "v2_rows_us": "rows us", "v2_q1_us": "q1 us", "ratio_q1": "v2/q1",
+                "v2_spread_pct": "spread%", "v2_groups_us": "groups us", "v2_rows_us": "rows us", "v2_q1_us": "q1 us",
+                "ratio_q1": "v2/q1",
                 "fa2_us": "fa2 us", "fa3_us": "fa3 us", "fi_best_over_v2": "fi/v2", "max_rel_err_vs_fi": "rel err"}
 
 
@@ -260,10 +263,10 @@ def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int):
         q = cupy.random.RandomState(seed + q_len).standard_normal((batch * q_len, HQ, D), dtype=cupy.float32)
         q = q.astype(cupy.float16)
         q1 = cupy.ascontiguousarray(q[q_len - 1::q_len])  # the last token sees the whole ctx, as q_len 1 does
-        outs = {name: _common.nan_like(q) for name in ("v2", "v2_rows", *BACKENDS)}
+        outs = {name: _common.nan_like(q) for name in ("v2", "v2_groups", "v2_rows", *BACKENDS)}
         outs["v2_q1"] = _common.nan_like(q1)
         calls, notes = {}, []
-        for name, grouped in (("v2", True), ("v2_rows", False)):
+        for name, grouped in (("v2", None), ("v2_groups", True), ("v2_rows", False)):
             plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, qo_indptr=ptr, group_tokens=grouped)
             calls[name] = lambda q=q, plan=plan, o=outs[name], ptr=ptr: cupaged.decode(
                 q, k, v, table, plan, out=o, qo_indptr=ptr)

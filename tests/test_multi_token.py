@@ -122,7 +122,7 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
     table = cupaged.PageTable.from_seq_lens([300, 5, 40, 90], page_size=16, first_page_offset=[3, 0, 9, 0])
     ptr = np.array([0, 6, 7, 9, 19])  # q_len 6, 1, 2, 10
     rows = table.query_rows(ptr)
-    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=5)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=5, group_tokens=True)
     assert plan.heads_per_cta == 4  # 8 tokens per CTA (a group in at most PAIR_MAX_CHUNKS chunks)
     want = [5, 5, 5, 5, 5, 5, 6, 8, 8, 16, 16, 16, 16, 16, 16, 16, 16, 18, 18]
     assert plan.group_last.tolist() == want and not plan.group_last.flags.writeable
@@ -131,7 +131,7 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
     np.testing.assert_array_equal(plan.request_chunks, -(-group_pages // 5))  # each row: its group's split
     # more chunks than PAIR_MAX_CHUNKS in a group: groups of one warp's 4 tokens
     assert plan_mod.PAIR_MAX_CHUNKS < 10 and int(rows.request_pages.max()) == 19
-    small = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=2)
+    small = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, pages_per_chunk=2, group_tokens=True)
     assert small.group_last.tolist() == [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
     lead = np.r_[True, last[1:] != last[:-1]]
     assert plan.num_units == int(plan.request_chunks[lead].sum()) < plan.num_chunks
@@ -164,14 +164,16 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
     with pytest.raises(cupaged.PlanMismatchError, match="one split"):
         _validate.check_plan_structure(dataclasses.replace(plan, request_chunks=counts))
 
-    # tokens per CTA by kernel; no groups with a window, group_tokens=False, or the CUDA-core core
+    # tokens per CTA by kernel (the small-grid rule off: these small plans would leave pairs);
+    # no groups with a window, group_tokens=False, or the CUDA-core core
+    monkeypatch.setattr(plan_mod, "_pairs_underfill", lambda *args: False)
     fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, kv_dtype=np.uint8)
     assert fp8.group_last.tolist()[:6] == [1, 1, 3, 3, 5, 5]  # 2 tokens (the transposed tile: no pairs)
-    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, qo_indptr=ptr)  # one head per CTA: 16 tokens a warp
+    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, qo_indptr=ptr, group_tokens=True)  # one head per CTA: 16 tokens a warp
     assert mha.group_last.tolist() == [5] * 6 + [6, 8, 8] + [18] * 10
-    g8 = cupaged.plan_decode(table, 64, 8, 128, np.float16, qo_indptr=ptr)  # 8 heads per CTA: 2 a warp, 4 a pair
+    g8 = cupaged.plan_decode(table, 64, 8, 128, np.float16, qo_indptr=ptr, group_tokens=True)  # 8 heads per CTA: 2 a warp, 4 a pair
     assert g8.group_last.tolist() == [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
-    g3 = cupaged.plan_decode(table, 24, 8, 128, np.float16, qo_indptr=ptr)  # 3 heads per CTA: 5 tokens, no pairs
+    g3 = cupaged.plan_decode(table, 24, 8, 128, np.float16, qo_indptr=ptr, group_tokens=True)  # 3 heads per CTA: 5 tokens, no pairs
     assert g3.group_last.tolist()[:9] == [4, 4, 4, 4, 4, 5, 6, 8, 8]
     for p in (cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, window_left=50),
               cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=False),
@@ -179,9 +181,51 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
               cupaged.plan_decode(table, 32, 8, 128, np.float16)):
         assert p.group_last is None and p.num_units == p.num_chunks
     monkeypatch.setenv("CUPAGED_CORE", "simt")
-    assert cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr).group_last is None
-    with pytest.raises(cupaged.InvalidArgumentError, match="group_tokens must be True or False"):
+    assert cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=True).group_last is None
+    with pytest.raises(cupaged.InvalidArgumentError, match="group_tokens must be None, True or False"):
         cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=1)
+
+
+def _rows_bytes(table, ptr, hkv, d, itemsize=2):
+    """KV bytes the query rows of ``table`` and ``ptr`` read, each row its own pages (all kv heads)."""
+    rows = table.query_rows(ptr)
+    return int(rows.request_pages.sum()) * rows.page_size * 2 * d * itemsize * hkv
+
+
+@pytest.mark.parametrize("q_len,batch,ctx,grouped", [
+    (4, 1, 1024, False), (8, 1, 1024, False), (2, 4, 1024, False), (8, 2, 512, False),  # <= 32 MiB
+    (4, 1, 4096, True), (4, 2, 2048, True), (2, 4, 2048, True), (8, 4, 512, True),      # above
+])
+def test_default_groups_only_steps_past_the_row_table_bound(q_len, batch, ctx, grouped):
+    """group_tokens=None (the default) plans one row per token when the rows
+    read at most ROW_TABLE_MAX_BYTES of a 16-bit cache, row groups above;
+    True and deterministic plans always group, fp8 (not measured) too."""
+    table = cupaged.PageTable.from_seq_lens([ctx] * batch, page_size=16)
+    ptr = np.arange(batch + 1, dtype=np.int32) * q_len
+    assert (_rows_bytes(table, ptr, 8, 128) > plan_mod.ROW_TABLE_MAX_BYTES) == grouped
+    for dtype in (np.float16, BF16):
+        plan = cupaged.plan_decode(table, 32, 8, 128, dtype, qo_indptr=ptr, num_sms=132)
+        assert (plan.group_last is not None) == grouped
+        if not grouped:
+            rows = cupaged.plan_decode(table, 32, 8, 128, dtype, qo_indptr=ptr, num_sms=132, group_tokens=False)
+            assert plan.request_chunks.tolist() == rows.request_chunks.tolist() and plan.grid == rows.grid
+    for kw in ({"group_tokens": True}, {"deterministic": True}, {"kv_dtype": np.uint8}):
+        assert cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, num_sms=132, **kw).group_last \
+            is not None
+
+
+def test_small_grids_of_warp_pairs_fall_back_to_one_warp_groups():
+    """A default plan of warp pairs with fewer CTAs than SMs forms one
+    warp's groups instead (4 tokens at 4 heads per CTA, not 8); with a chunk
+    knob, deterministic, or a grid that fills the SMs, the pairs stay."""
+    table = cupaged.PageTable.from_seq_lens([512] * 4, page_size=16)
+    ptr = np.arange(5, dtype=np.int32) * 8
+    sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, num_sms=132)
+    assert sizes(plan) == {4}
+    for kw in ({"pages_per_chunk": 32}, {"deterministic": True}, {"num_sms": 16}):
+        kw = {"num_sms": 132, **kw}
+        assert sizes(cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, **kw)) == {8}, kw
 
 
 def test_hot_path_argument_test_compares_arrays_by_identity():
@@ -260,13 +304,13 @@ def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
     want = b.reference(qo_indptr=ptr)
     want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
     for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 3}):
-        plan = b.plan(qo_indptr=ptr, **knobs)
+        plan = b.plan(qo_indptr=ptr, group_tokens=True, **knobs)
         assert plan.group_last is not None and plan.num_units < plan.num_chunks
         check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
         check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), want_sinks, dtype)
         check(run("v2", b, b.plan(qo_indptr=ptr, group_tokens=False, **knobs), qo_indptr=ptr), want, dtype)
     if kv == "same":
-        plan = b.plan(qo_indptr=ptr, pages_per_chunk=2)
+        plan = b.plan(qo_indptr=ptr, group_tokens=True, pages_per_chunk=2)
         monkeypatch.setenv("CUPAGED_CORE", "simt")
         check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
 
@@ -280,11 +324,13 @@ def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
 ], ids=str)
 def test_warp_pairs_match_reference(hq, hkv, d, dtype, monkeypatch):
     """Row groups on warp pairs (two warps sharing each K/V tile, each with
-    its own rows) at every split, PAIR_MAX_CHUNKS lifted: one page per chunk
-    (many chunks, merged), the default, and one chunk per request (the final
-    rows written straight), with sinks, against the float64 reference."""
+    its own rows) at every split, PAIR_MAX_CHUNKS and the small-grid rule
+    lifted: one page per chunk (many chunks, merged), the default, and one
+    chunk per request (the final rows written straight), with sinks, against
+    the float64 reference."""
     cp = _cp()
     monkeypatch.setattr(plan_mod, "PAIR_MAX_CHUNKS", 1 << 30)
+    monkeypatch.setattr(plan_mod, "_pairs_underfill", lambda *args: False)
     b = make_batch(330, [*RAGGED_LENS, 2000, 40], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
                    page_size=16 if d != 80 else 4)
     ptr = _multi(b, 331)
@@ -293,7 +339,7 @@ def test_warp_pairs_match_reference(hq, hkv, d, dtype, monkeypatch):
     want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
     single = 16 // (hq // hkv)
     for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 4096}):
-        plan = b.plan(qo_indptr=ptr, **knobs)
+        plan = b.plan(qo_indptr=ptr, group_tokens=True, **knobs)
         sizes = np.bincount(plan.group_last)
         assert (sizes > single).any() == (int(np.diff(ptr).max()) > single)  # some group on pairs
         check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
@@ -318,7 +364,7 @@ def test_row_group_merge_of_many_chunks(kv):
     q = make_query(np.random.default_rng(321), int(ptr[-1]), b.num_qo_heads, b.head_dim, b.dtype)
     b.q, b.host = cp.asarray(q), (q, *b.host[1:])
     sinks = np.random.default_rng(322).uniform(-1, 3, b.num_qo_heads).astype(np.float32)
-    plan = b.plan(qo_indptr=ptr, pages_per_chunk=1)
+    plan = b.plan(qo_indptr=ptr, group_tokens=True, pages_per_chunk=1)
     assert plan.group_last is not None and int(plan.request_chunks.max()) >= (1125 if kv == "same" else 2250)
     check(run("v2", b, plan, qo_indptr=ptr), b.reference(qo_indptr=ptr), F16)
     check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), b.reference(qo_indptr=ptr, sinks=sinks), F16)
