@@ -52,7 +52,8 @@ be rerun without hand-editing a tree:
   +0.4 % within spread; docs/benchmarks/merge-items-ab-h200-2026-12-03.log): the last CTA
   of a row group merges each thread's items two at a time (``merge_partial_items``, their
   L2 loads issued together), so a q_len 4 group at 4 heads per CTA (4 items a thread) waits
-  on 2 round trips instead of 4 and a q_len 8 pair group on 4 instead of 8; the plain kernel's merge is untouched. For batch-1 multi-token cells,
+  on 2 round trips instead of 4 and a q_len 8 pair group on 4 instead of 8; the plain
+  kernel's merge is untouched. For batch-1 multi-token cells,
   where the grouped path trails the one-row-per-token table (1 x 1024 q_len 4: 9.9 against
   7.0 us, docs/benchmarks/h200-features2-2026-12-03.md). Compiles without spills or stack
   at head_dim 128 (fp16 rows 244-246 registers, fp8 168); the partial and merge families'

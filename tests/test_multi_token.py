@@ -167,13 +167,14 @@ def test_row_groups_plan_image_and_checks(monkeypatch):
     # tokens per CTA by kernel (the small-grid rule off: these small plans would leave pairs);
     # no groups with a window, group_tokens=False, or the CUDA-core core
     monkeypatch.setattr(plan_mod, "_pairs_underfill", lambda *args: False)
+    grouped = {"qo_indptr": ptr, "group_tokens": True}
     fp8 = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, kv_dtype=np.uint8)
     assert fp8.group_last.tolist()[:6] == [1, 1, 3, 3, 5, 5]  # 2 tokens (the transposed tile: no pairs)
-    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, qo_indptr=ptr, group_tokens=True)  # one head per CTA: 16 tokens a warp
+    mha = cupaged.plan_decode(table, 8, 8, 64, np.float16, **grouped)  # one head per CTA: 16 tokens a warp
     assert mha.group_last.tolist() == [5] * 6 + [6, 8, 8] + [18] * 10
-    g8 = cupaged.plan_decode(table, 64, 8, 128, np.float16, qo_indptr=ptr, group_tokens=True)  # 8 heads per CTA: 2 a warp, 4 a pair
+    g8 = cupaged.plan_decode(table, 64, 8, 128, np.float16, **grouped)  # 8 heads per CTA: 2 a warp, 4 a pair
     assert g8.group_last.tolist() == [3, 3, 3, 3, 5, 5, 6, 8, 8, 12, 12, 12, 12, 16, 16, 16, 16, 18, 18]
-    g3 = cupaged.plan_decode(table, 24, 8, 128, np.float16, qo_indptr=ptr, group_tokens=True)  # 3 heads per CTA: 5 tokens, no pairs
+    g3 = cupaged.plan_decode(table, 24, 8, 128, np.float16, **grouped)  # 3 heads per CTA: 5 tokens, no pairs
     assert g3.group_last.tolist()[:9] == [4, 4, 4, 4, 4, 5, 6, 8, 8]
     for p in (cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, window_left=50),
               cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, group_tokens=False),
