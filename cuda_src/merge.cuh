@@ -5,7 +5,7 @@
 
 namespace cupaged {
 
-// Merges partials n in [n0, n1) of head h, dims [d, d + 4) (returns o and lse_out):
+// Merges partials n in [n0, n0 + count) of head h, dims [d, d + 4) (returns o and lse_out):
 //   M = max_n lse[n,h];  w_n = exp2(lse[n,h] - M);  W = sum_n w_n
 //   o = sum_n w_n * v[n,h,d:d+4] / W;  lse_out = M + log2(W)
 // v is [N, num_heads, head_dim] float32 and lse [N, num_heads] float32 (log2),
@@ -28,44 +28,75 @@ struct Merged {
   float4 o;
   float lse;
 };
-__device__ __noinline__ Merged merge_partials(const float* __restrict__ v, const float* __restrict__ lse,
-                                              int n0, int n1, int num_heads, int head_dim, int h, int d) {
+// ITEMS such merges of n partials each, their loads issued together: item i
+// is head h[i], dims [d[i], d[i] + 4), partials n0[i] .. n0[i] + n; h[i] < 0
+// marks no item (its result is unspecified). A row group's last CTA merges
+// every row of its group, several items a thread: two at a time halve its
+// serial L2 round trips (H200: 1 x 1024 q_len 4 9.86 -> 9.47 us,
+// docs/architecture.md "The grouped merge, two items at a time").
+template <int ITEMS>
+struct MergeItems {
+  int n0[ITEMS], h[ITEMS], d[ITEMS];
+};
+template <int ITEMS>
+struct MergedItems {
+  Merged m[ITEMS];
+};
+template <int ITEMS>
+__device__ __noinline__ MergedItems<ITEMS> merge_partials(const float* __restrict__ v, const float* __restrict__ lse,
+                                                          MergeItems<ITEMS> it, int n, int num_heads, int head_dim) {
   constexpr int BATCH = 8;
-  float m = neg_inf();
-  float denom = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int n = n0; n < n1; n += BATCH) {
-    float x[BATCH];
-    float4 y[BATCH];
+  float m[ITEMS], denom[ITEMS];
+  float4 acc[ITEMS];
 #pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const long long nh = (long long)(n + b) * num_heads + h;
-      const bool in = n + b < n1;
-      x[b] = in ? __ldcg(lse + nh) : neg_inf();
-      y[b] = in ? __ldcg(reinterpret_cast<const float4*>(v + nh * head_dim + d)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    float m_new = m;
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) m_new = fmaxf(m_new, x[b]);
-    if (m_new == neg_inf()) continue;  // nothing finite yet
-    const float r = fast_exp2(m - m_new);  // m = -inf -> 0; m == m_new -> 1
-    acc.x *= r; acc.y *= r; acc.z *= r; acc.w *= r;
-    denom *= r;
-#pragma unroll
-    for (int b = 0; b < BATCH; ++b) {
-      const bool live = x[b] != neg_inf();
-      const float w = live ? fast_exp2(x[b] - m_new) : 0.f;
-      if (live) {  // a dead partial's v may be anything (NaN, inf): never multiply it
-        acc.x = fmaf(w, y[b].x, acc.x); acc.y = fmaf(w, y[b].y, acc.y);
-        acc.z = fmaf(w, y[b].z, acc.z); acc.w = fmaf(w, y[b].w, acc.w);
-      }
-      denom += w;
-    }
-    m = m_new;
+  for (int i = 0; i < ITEMS; ++i) {
+    m[i] = neg_inf();
+    denom[i] = 0.f;
+    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
-  const float inv = denom > 0.f ? 1.f / denom : 0.f;
-  return Merged{make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv),
-                denom > 0.f ? m + fast_log2(denom) : neg_inf()};
+  for (int c = 0; c < n; c += BATCH) {
+    float x[ITEMS][BATCH];
+    float4 y[ITEMS][BATCH];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        const long long nh = (long long)(it.n0[i] + c + b) * num_heads + it.h[i];
+        const bool in = c + b < n && (ITEMS == 1 || it.h[i] >= 0);
+        x[i][b] = in ? __ldcg(lse + nh) : neg_inf();
+        y[i][b] = in ? __ldcg(reinterpret_cast<const float4*>(v + nh * head_dim + it.d[i]))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      float m_new = m[i];
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) m_new = fmaxf(m_new, x[i][b]);
+      if (m_new == neg_inf()) continue;  // nothing finite yet
+      const float r = fast_exp2(m[i] - m_new);  // m = -inf -> 0; m == m_new -> 1
+      acc[i].x *= r; acc[i].y *= r; acc[i].z *= r; acc[i].w *= r;
+      denom[i] *= r;
+#pragma unroll
+      for (int b = 0; b < BATCH; ++b) {
+        const bool live = x[i][b] != neg_inf();
+        const float w = live ? fast_exp2(x[i][b] - m_new) : 0.f;
+        if (live) {  // a dead partial's v may be anything (NaN, inf): never multiply it
+          acc[i].x = fmaf(w, y[i][b].x, acc[i].x); acc[i].y = fmaf(w, y[i][b].y, acc[i].y);
+          acc[i].z = fmaf(w, y[i][b].z, acc[i].z); acc[i].w = fmaf(w, y[i][b].w, acc[i].w);
+        }
+        denom[i] += w;
+      }
+      m[i] = m_new;
+    }
+  }
+  MergedItems<ITEMS> out;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const float inv = denom[i] > 0.f ? 1.f / denom[i] : 0.f;
+    out.m[i] = Merged{make_float4(acc[i].x * inv, acc[i].y * inv, acc[i].z * inv, acc[i].w * inv),
+                      denom[i] > 0.f ? m[i] + fast_log2(denom[i]) : neg_inf()};
+  }
+  return out;
 }
 
 }  // namespace cupaged

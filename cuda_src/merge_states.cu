@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(MERGE_THREADS) merge_states(
   const int d = (threadIdx.x % THREADS_PER_HEAD) * 4;
   // (head_dim 96: 5 heads of 24 threads, the last 8 threads idle)
   if (h >= num_heads || threadIdx.x >= HEADS_PER_CTA * THREADS_PER_HEAD) return;
-  const Merged r = merge_partials(v, lse, o_indptr[row], o_indptr[row + 1], num_heads, HEAD_DIM, h, d);
+  const int n0 = o_indptr[row];
+  const Merged r = merge_partials<1>(v, lse, {{n0}, {h}, {d}}, o_indptr[row + 1] - n0, num_heads, HEAD_DIM).m[0];
   OUT_T* out = v_out + row * stride_o_row + h * stride_o_head + d;
   Storage<OUT_T>::store(out, r.o.x); Storage<OUT_T>::store(out + 1, r.o.y);
   Storage<OUT_T>::store(out + 2, r.o.z); Storage<OUT_T>::store(out + 3, r.o.w);

@@ -331,16 +331,27 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
   }
   __syncthreads();
   if (!is_last) return;  // from here on the other CTAs' partials are visible
-  constexpr int D4 = HEAD_DIM / 4;
-  for (int item = threadIdx.x; item < rows * HEADS * D4; item += Attn::THREADS) {
-    const int r = item / D4, d = (item % D4) * 4;
-    const int tt = GROUPS ? r / HEADS : 0, h = GROUPS ? r - tt * HEADS : r;
-    const int c0 = chunk0 + tt * num_chunks;
-    const Merged m =
-        merge_partials(p.partial_v, p.partial_lse, c0, c0 + num_chunks, num_qo_heads, HEAD_DIM, head0 + h, d);
-    EmitStrided<T>{out + tt * p.stride_o_batch, stride_o_head,
-                   lse_out == nullptr ? nullptr : lse_out + (long long)tt * num_qo_heads, sinks}
-        .finish(h, d, m.o, m.lse);
+  // (row groups: a thread's items two at a time, their loads together; merge.cuh)
+  constexpr int D4 = HEAD_DIM / 4, MI = GROUPS ? 2 : 1;
+  const int items = rows * HEADS * D4;
+  for (int i0 = threadIdx.x; i0 < items; i0 += MI * Attn::THREADS) {
+    MergeItems<MI> it;
+    int tt[MI];
+#pragma unroll
+    for (int i = 0; i < MI; ++i) {
+      const int item = i0 + i * Attn::THREADS, r = item / D4;
+      tt[i] = GROUPS ? r / HEADS : 0;
+      it.n0[i] = chunk0 + tt[i] * num_chunks;
+      it.h[i] = MI == 1 || item < items ? head0 + (GROUPS ? r - tt[i] * HEADS : r) : -1;
+      it.d[i] = (item % D4) * 4;
+    }
+    const MergedItems<MI> m = merge_partials<MI>(p.partial_v, p.partial_lse, it, num_chunks, num_qo_heads, HEAD_DIM);
+#pragma unroll
+    for (int i = 0; i < MI; ++i)
+      if (MI == 1 || it.h[i] >= 0)
+        EmitStrided<T>{out + tt[i] * p.stride_o_batch, stride_o_head,
+                       lse_out == nullptr ? nullptr : lse_out + (long long)tt[i] * num_qo_heads, sinks}
+            .finish(it.h[i] - head0, it.d[i], m.m[i].o, m.m[i].lse);
   }
   if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)
 }

@@ -46,22 +46,6 @@ be rerun without hand-editing a tree:
   reduction and computes exp2(s * scale - max) as one FMA (8 multiplies a
   tile fewer at 16 rows).
 
-* ``merge_items`` (issue 18, prepared in the twenty-fourth session, 2026-12-03; timed in
-  the twenty-fifth against 31485a5, 2 interleaved rounds: 1 x 1024 q_len 4 9.86 -> 9.47 us,
-  8 x 1024 q_len 8 25.44 -> 24.37, every small multi-token cell -1.5 to -4 %, 8 x 32768 q_len 8
-  +0.4 % within spread; docs/benchmarks/merge-items-ab-h200-2026-12-03.log): the last CTA
-  of a row group merges each thread's items two at a time (``merge_partial_items``, their
-  L2 loads issued together), so a q_len 4 group at 4 heads per CTA (4 items a thread) waits
-  on 2 round trips instead of 4 and a q_len 8 pair group on 4 instead of 8; the plain
-  kernel's merge is untouched. For batch-1 multi-token cells,
-  where the grouped path trails the one-row-per-token table (1 x 1024 q_len 4: 9.9 against
-  7.0 us, docs/benchmarks/h200-features2-2026-12-03.md). Compiles without spills or stack
-  at head_dim 128 (fp16 rows 244-246 registers, fp8 168); the partial and merge families'
-  machine code is unchanged (``sass_hash.py --families partial merge``: 306 of 306 identical).
-  As an experiment it copies ``merge_partials``' loop and adds a GROUPS-only merge loop; if it
-  is kept, ``merge_partials`` becomes the one ITEMS template (the plain kernel's call ITEMS = 1,
-  checked with sass_hash) and the fused merge one loop over a thread's items, not two copies.
-
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -253,119 +237,6 @@ _FOLD_SCALE = [
 ]
 
 
-# merge_items (issue 18, prepared in the twenty-fourth session; not yet timed): the last CTA of a
-# row group merges a thread's items (rows x heads x dims / 4) two at a time, their L2 loads issued
-# together, so q_len 4 at 4 heads per CTA (4 items a thread) takes 2 round trips instead of 4, q_len 8
-# on warp pairs 4 instead of 8; the plain kernel's merge loop is untouched (GROUPS only)
-_MERGE_ITEMS_FN = r"""
-// variant merge_items: ITEMS merges of n partials each (item i: head h[i],
-// dims [d[i], d[i] + 4), partials n0[i] .. n0[i] + n), their loads together.
-template <int ITEMS>
-struct MergeItems {
-  int n0[ITEMS], h[ITEMS], d[ITEMS];
-};
-template <int ITEMS>
-struct MergedItems {
-  Merged m[ITEMS];
-};
-template <int ITEMS>
-__device__ __noinline__ MergedItems<ITEMS> merge_partial_items(const float* __restrict__ v,
-                                                               const float* __restrict__ lse, MergeItems<ITEMS> it,
-                                                               int n, int num_heads, int head_dim) {
-  constexpr int BATCH = 8;
-  float m[ITEMS], denom[ITEMS];
-  float4 acc[ITEMS];
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    m[i] = neg_inf();
-    denom[i] = 0.f;
-    acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  for (int c = 0; c < n; c += BATCH) {
-    float x[ITEMS][BATCH];
-    float4 y[ITEMS][BATCH];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
-#pragma unroll
-      for (int b = 0; b < BATCH; ++b) {
-        const long long nh = (long long)(it.n0[i] + c + b) * num_heads + it.h[i];
-        const bool in = c + b < n && it.h[i] >= 0;
-        x[i][b] = in ? __ldcg(lse + nh) : neg_inf();
-        y[i][b] = in ? __ldcg(reinterpret_cast<const float4*>(v + nh * head_dim + it.d[i]))
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      float m_new = m[i];
-#pragma unroll
-      for (int b = 0; b < BATCH; ++b) m_new = fmaxf(m_new, x[i][b]);
-      if (m_new == neg_inf()) continue;
-      const float r = fast_exp2(m[i] - m_new);
-      acc[i].x *= r; acc[i].y *= r; acc[i].z *= r; acc[i].w *= r;
-      denom[i] *= r;
-#pragma unroll
-      for (int b = 0; b < BATCH; ++b) {
-        const bool live = x[i][b] != neg_inf();
-        const float w = live ? fast_exp2(x[i][b] - m_new) : 0.f;
-        if (live) {
-          acc[i].x = fmaf(w, y[i][b].x, acc[i].x); acc[i].y = fmaf(w, y[i][b].y, acc[i].y);
-          acc[i].z = fmaf(w, y[i][b].z, acc[i].z); acc[i].w = fmaf(w, y[i][b].w, acc[i].w);
-        }
-        denom[i] += w;
-      }
-      m[i] = m_new;
-    }
-  }
-  MergedItems<ITEMS> out;
-#pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const float inv = denom[i] > 0.f ? 1.f / denom[i] : 0.f;
-    out.m[i] = Merged{make_float4(acc[i].x * inv, acc[i].y * inv, acc[i].z * inv, acc[i].w * inv),
-                      denom[i] > 0.f ? m[i] + fast_log2(denom[i]) : neg_inf()};
-  }
-  return out;
-}
-
-}  // namespace cupaged
-"""
-_MERGE_ITEMS_LOOP_OLD = """  constexpr int D4 = HEAD_DIM / 4;
-  for (int item = threadIdx.x; item < rows * HEADS * D4; item += Attn::THREADS) {
-"""
-_MERGE_ITEMS_LOOP_NEW = """  constexpr int D4 = HEAD_DIM / 4;
-  if constexpr (GROUPS) {  // variant merge_items: a thread's items two at a time
-    constexpr int MI = 2;
-    const int items = rows * HEADS * D4;
-    for (int i0 = threadIdx.x; i0 < items; i0 += MI * Attn::THREADS) {
-      MergeItems<MI> it;
-      int tts[MI];
-#pragma unroll
-      for (int i = 0; i < MI; ++i) {
-        const int item = i0 + i * Attn::THREADS;
-        const int r = item / D4;
-        tts[i] = r / HEADS;
-        it.n0[i] = chunk0 + tts[i] * num_chunks;
-        it.h[i] = item < items ? head0 + r - tts[i] * HEADS : -1;  // -1: no item
-        it.d[i] = (item % D4) * 4;
-      }
-      const MergedItems<MI> m = merge_partial_items<MI>(p.partial_v, p.partial_lse, it, num_chunks, num_qo_heads,
-                                                        HEAD_DIM);
-#pragma unroll
-      for (int i = 0; i < MI; ++i)
-        if (it.h[i] >= 0)
-          EmitStrided<T>{out + tts[i] * p.stride_o_batch, stride_o_head,
-                         lse_out == nullptr ? nullptr : lse_out + (long long)tts[i] * num_qo_heads, sinks}
-              .finish(it.h[i] - head0, it.d[i], m.m[i].o, m.m[i].lse);
-    }
-    if (threadIdx.x == 0) *counter = 0;
-    return;
-  }
-  for (int item = threadIdx.x; item < rows * HEADS * D4; item += Attn::THREADS) {
-"""
-_MERGE_ITEMS = [
-    ("merge.cuh", "\n}  // namespace cupaged\n", _MERGE_ITEMS_FN),
-    ("paged_decode_partial.cu", _MERGE_ITEMS_LOOP_OLD, _MERGE_ITEMS_LOOP_NEW),
-]
-
 # fenced_ticket: the fused merge's ticket as it was before 2026-12-03 (fences around a relaxed atomic)
 _TICKET_ASM = '    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");\n'
 _FENCED_TICKET = [
@@ -395,7 +266,6 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
     "fold_scale": _FOLD_SCALE,
-    "merge_items": _MERGE_ITEMS,
 }
 
 
