@@ -46,6 +46,16 @@ be rerun without hand-editing a tree:
   reduction and computes exp2(s * scale - max) as one FMA (8 multiplies a
   tile fewer at 16 rows).
 
+* ``merge_items4`` (issue 18, prepared in the twenty-sixth session, not yet
+  timed): a row group's last CTA merges four items a thread at a time in
+  batches of 4 partials (the same 16 loads in flight as two items in batches
+  of 8), so a q_len 4 group at 4 heads per CTA and at most 4 chunks a row
+  waits on one L2 round trip instead of two. 16-bit tensor-core rows at
+  head_dim 128 only: for every rows instance it took fp8 at head_dim 128 from
+  168 to 170-174 registers and 16-bit head_dim 64 at 3, 5-7 heads from 168 to
+  174, past the 168 of 3 CTAs per SM (NVRTC sm_90); 16-bit head_dim 128 stays
+  at 244-246 (2 CTAs per SM either way).
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -237,6 +247,15 @@ _FOLD_SCALE = [
 ]
 
 
+# merge_items4 (issue 18, twenty-sixth session; not yet timed): row groups merge four items a thread at a
+# time, 4 partials a batch (16 loads in flight, as two items at 8)
+_MERGE_ITEMS4 = [
+    ("paged_decode_partial.cu", "MI = GROUPS ? 2 : 1;",
+     "MI = GROUPS ? (CORE == Core::MMA && sizeof(KV) == 2 && HEAD_DIM == 128 ? 4 : 2) : 1;  // variant merge_items4"),
+    ("merge.cuh", "  constexpr int BATCH = 8;\n",
+     "  constexpr int BATCH = ITEMS > 2 ? 4 : 8;  // variant merge_items4\n"),
+]
+
 # fenced_ticket: the fused merge's ticket as it was before 2026-12-03 (fences around a relaxed atomic)
 _TICKET_ASM = '    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");\n'
 _FENCED_TICKET = [
@@ -266,6 +285,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
     "fold_scale": _FOLD_SCALE,
+    "merge_items4": _MERGE_ITEMS4,
 }
 
 
