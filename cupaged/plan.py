@@ -822,8 +822,9 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         paired = pair > single and int(q_len.max(initial=0)) > single  # some group's CTA on warp pairs
         group_last = _row_groups(ptr, q_len, pair)
     rows = group_last is not None and int(q_len.max(initial=0)) > 1  # some CTA holds several tokens' rows
-    knobs = (page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk, target_ctas,
-             num_sms, rows)
+    target, sms = _target_and_sms(target_ctas, num_sms)  # once: a device query is not free
+    knobs = (page_size, grid_y, dt, kv_dt, d, hpc, deterministic, pages_per_chunk, max_pages_per_chunk, target, sms,
+             rows)
     row_pages = pages
     if group_last is not None:
         pages = row_pages[group_last]  # a row splits as its group's last row
@@ -832,8 +833,7 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
         pages, group_last, *knobs, not paired)
     if paired and (int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
-                   or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk,
-                                       target_ctas, num_sms)):
+                   or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
         # twice the rows, which outlasts the pairs' saving once a group has
         # many chunks (a small step): then groups of one warp's rows. So too
@@ -887,13 +887,12 @@ def _rows_read_little(pages: np.ndarray, page_size: int, hkv: int, d: int, kv_dt
 
 
 def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-                     target_ctas: int | None, num_sms: int | None) -> bool:
+                     sms: int | None) -> bool:
     """Whether a default plan (no chunk knobs, not deterministic: its
-    groups must not depend on the batch) of warp pairs has fewer ``ctas``
-    than SMs."""
+    groups must not depend on the batch; ``sms`` None: an explicit CTA
+    target) of warp pairs has fewer ``ctas`` than SMs."""
     if deterministic or pages_per_chunk is not None or max_pages_per_chunk is not None:
         return False
-    sms = _target_and_sms(target_ctas, num_sms)[1]
     return sms is not None and ctas < sms
 
 
@@ -1014,7 +1013,7 @@ def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None,
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
               deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-              target_ctas: int | None, num_sms: int | None, rows: bool = False,
+              target: int, sms: int | None, rows: bool = False,
               fewer: bool = True) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
     """``(target_ctas, chunk_pages, chunks, units, longest, ctas_per_sm)`` of
     :func:`plan_decode` (its arguments already checked): the CTA target,
@@ -1022,8 +1021,8 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     chunk count in all, the largest chunk size and the CTAs per SM the
     launches hold to. ``rows``: some CTA holds several query tokens' rows
     (the step model's multi-token constants); ``fewer``: the default plan
-    may weigh fewer CTAs per SM than the kernel's count."""
-    target, sms = _target_and_sms(target_ctas, num_sms)
+    may weigh fewer CTAs per SM than the kernel's count. ``(target, sms)``
+    is :func:`_target_and_sms`'s, resolved once by the caller."""
     held = ctas_per_sm(dt, kv_dt, d, hpc)
     longest_request = None
     if pages_per_chunk is not None:
