@@ -46,8 +46,10 @@ be rerun without hand-editing a tree:
   reduction and computes exp2(s * scale - max) as one FMA (8 multiplies a
   tile fewer at 16 rows).
 
-* ``merge_items4`` (issue 18, prepared in the twenty-sixth session, not yet
-  timed): a row group's last CTA merges four items a thread at a time in
+* ``merge_items4`` (issue 18, prepared in the twenty-sixth session, timed in
+  the twenty-seventh and not kept: -4 to -6 % at 4-8 x 1024 q_len 4, +10 % at
+  1 x 1024 q_len 2, whose 8 chunks then take two batches;
+  ``docs/benchmarks/merge-items4-ab-h200-2026-12-03.log``): a row group's last CTA merges four items a thread at a time in
   batches of 4 partials (the same 16 loads in flight as two items in batches
   of 8), so a q_len 4 group at 4 heads per CTA and at most 4 chunks a row
   waits on one L2 round trip instead of two. Limited to 16-bit tensor-core
@@ -247,7 +249,7 @@ _FOLD_SCALE = [
 ]
 
 
-# merge_items4 (issue 18, twenty-sixth session; not yet timed): row groups merge four items a thread at a
+# merge_items4 (issue 18, twenty-sixth session; timed, not kept): row groups merge four items a thread at a
 # time, 4 partials a batch (16 loads in flight, as two items at 8)
 _MERGE_ITEMS4 = [
     ("paged_decode_partial.cu", "MI = GROUPS ? 2 : 1;",
