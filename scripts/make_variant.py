@@ -59,6 +59,22 @@ be rerun without hand-editing a tree:
   174, past the 168 of 3 CTAs per SM (NVRTC sm_90); 16-bit head_dim 128 stays
   at 244-246 (2 CTAs per SM either way).
 
+* ``pair_step2`` (issue 18, prepared in the twenty-seventh session, not yet
+  timed or run): warp pairs (q_len 8 row groups) step two 16-token tiles at a
+  time with one online-softmax update over their 32 tokens: S of four n-tiles
+  (four MMA chains), one max, vote and rescale, then P.V of both tiles
+  (``RowsTile::step2``); the pairs' ring hands over two stages a step and
+  refills the two read one step ago (``cp_async_ring_pairs2``; 4 stages at the
+  default 72 KB, 6 with ``CUPAGED_MMA_SMEM_KB=104``). Why: ncu put the paired
+  q_len 8 step at 2 warps per scheduler with 58 % of cycles idle on latency,
+  one softmax chain per 16 tokens; FlashInfer's prefill, faster there, steps
+  32-64 tokens per softmax. NVRTC sm_90, the rows instances with pairs
+  (power-of-two heads): head_dim 128 254-255 registers (were 246), 96 233-240
+  (at 104 KB; were 227-230), 64 200-205 (were 180-184); no spills or stack.
+  Still 2 CTAs per SM. Time it on the q_len 8 cells that run pairs (8 x 1024,
+  64 x 1024, 8 x 8192, 8 x 32768, 64 x 8192) with q_len 4 as control, then
+  the pairs' GPU tests and racecheck under CUPAGED_CUDA_SRC.
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -259,6 +275,169 @@ _MERGE_ITEMS4 = [
      "  constexpr int BATCH = ITEMS > 2 ? 4 : 8;  // variant merge_items4\n"),
 ]
 
+# pair_step2 (issue 18, twenty-seventh session; prepared, not yet timed): warp pairs step two 16-token tiles
+# at a time, one online-softmax update over 32 tokens (RowsTile::step2, cp_async_ring_pairs2)
+_PAIR_STEP2 = [
+    ('common.cuh',
+     '''// Programmatic dependent launch (sm_90;''',
+     '''// The warp pairs' ring two tiles a step (variant pair_step2): the pair
+// consumes tiles it and it + 1 together (one softmax over both); after each
+// wait it meets its partner and refills the two stages read one step ago.
+// Tiles 0 .. STAGES - 3 go out first; a step waits for its two tiles with
+// STAGES - 4 groups left in flight.
+template <int STAGES, typename Copy, typename Consume2>
+__device__ __forceinline__ void cp_async_ring_pairs2(int n_iter, Copy& copy, Consume2& consume2, int pair_id) {
+  static_assert(STAGES >= 4 && STAGES % 2 == 0, "two tiles a step: an even ring of four stages or more");
+  auto issue = [&](int it) {
+    if (it < n_iter) copy(it % STAGES, it);
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int it = 0; it < STAGES - 2; ++it) issue(it);
+  for (int it = 0; it < n_iter; it += 2) {
+    cp_async_wait<STAGES - 4>();
+    named_barrier<64>(pair_id);
+    issue(it + STAGES - 2);  // (the stages of tiles it - 2 and it - 1, read one step ago)
+    issue(it + STAGES - 1);
+    consume2(it % STAGES, (it + 1) % STAGES, it, it + 1 < n_iter);
+  }
+  cp_async_wait<0>();
+}
+
+// Programmatic dependent launch (sm_90;'''),
+    ('attend_mma.cuh',
+     '''    // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
+    if constexpr (PAIRED)
+      cp_async_ring<2 * STAGES, false, true>(n_iter, copy, consume, 1 + tix);''',
+     '''    auto consume2 = [&](int st0, int st1, int it, bool two) {
+      auto* a = tile_at(st0);
+      auto* b = tile_at(st1);
+      tile.step2(a[0], a[1], b[0], b[1], s0 + it * CTA_TILE + tix * MMA_TILE, two, s1);
+    };
+    // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
+    if constexpr (PAIRED && Tile::STEP2)
+      cp_async_ring_pairs2<2 * STAGES>(n_iter, copy, consume2, 1 + tix);
+    else if constexpr (PAIRED)
+      cp_async_ring<2 * STAGES, false, true>(n_iter, copy, consume, 1 + tix);'''),
+    ('attend_mma.cuh',
+     '''  static constexpr int HALVES = GROUPS ? 2 : 1;  // MMA rows g (and g + 8) this lane keeps''',
+     '''  static constexpr int HALVES = GROUPS ? 2 : 1;  // MMA rows g (and g + 8) this lane keeps
+  static constexpr bool STEP2 = GROUPS;  // warp pairs step two tiles at a time (variant pair_step2)'''),
+    ('attend_mma.cuh',
+     '''  // This warp's states as entry `warp` of st, rows from roff (a pair's second warp: after the first's).''',
+     '''  // Two tiles, base and base + ct (ct: the tiles' distance, CTA_TILE), one
+  // online-softmax update over their 32 tokens (variant pair_step2): S of
+  // four n-tiles (four MMA chains), one max, vote and rescale, then P.V of
+  // both. !two: only the first tile (the second's stage holds stale data).
+  __device__ __forceinline__ void step2(const Row* kt0, const Row* vt0, const Row* kt1, const Row* vt1, int base,
+                                        bool two, int s1) {
+    constexpr int CT = 2 * MMA_TILE;  // (PAIRED: CTA_TILE = MMA_WARPS / 2 tiles; 2 with 4 warps)
+    static_assert(MMA_WARPS == 4, "pair_step2 assumes two pairs per CTA");
+    float s[4][4];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      if (n >= 2 && !two) continue;
+      const Row* kt = n < 2 ? kt0 : kt1;
+      const int nn = n % 2;
+#pragma unroll
+      for (int k = 0; k < KSTEPS; k += 2) {
+        unsigned b[4];
+        if (k + 1 < KSTEPS) {
+          ldmatrix_x4(b, &kt[nn * 8 + (lane % 8)][L::at(lane, (k * 16 + (lane / 8) * 8) * 2)]);
+        } else {
+          ldmatrix_x2(b, &kt[nn * 8 + (lane % 8)][L::at(lane, (k * 16 + (lane / 8 % 2) * 8) * 2)]);
+        }
+        M::mma(s[n], qa[0][k][0], qa[HALVES - 1][k][0], qa[0][k][1], qa[HALVES - 1][k][1], b[0], b[1]);
+        if (k + 1 < KSTEPS)
+          M::mma(s[n], qa[0][k + 1][0], qa[HALVES - 1][k + 1][0], qa[0][k + 1][1], qa[HALVES - 1][k + 1][1], b[2],
+                 b[3]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int e = 0; e < 2 * HALVES; ++e) s[n][e] *= score_scale;
+    if (sc.soft_cap > 0.f) {  // uniform branch
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 2 * HALVES; ++e) s[n][e] = sc.cap(s[n][e]);
+    }
+    float m_new[HALVES], m_safe[HALVES];
+    bool grew = false;
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      const int end = min(s1, lim[h]);
+      float mx = neg_inf();
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int slot = base + (n / 2) * CT + (n % 2) * 8 + 2 * t + e;
+          if (slot >= end || (n >= 2 && !two)) s[n][2 * h + e] = neg_inf();
+          mx = fmaxf(mx, s[n][2 * h + e]);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      m_new[h] = fmaxf(m[h], mx);
+      m_safe[h] = m_new[h] == neg_inf() ? 0.f : m_new[h];
+      grew = grew || m_new[h] > m[h];
+    }
+    if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+      for (int h = 0; h < HALVES; ++h) {
+        const float alpha = fast_exp2(m[h] - m_safe[h]);
+        l[h] *= alpha;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          o[n][2 * h] *= alpha;
+          o[n][2 * h + 1] *= alpha;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < HALVES; ++h) {
+      m[h] = m_new[h];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[n][2 * h + e] = fast_exp2(s[n][2 * h + e] - m_safe[h]);
+          l[h] += s[n][2 * h + e];
+        }
+    }
+    unsigned pa[2][4];  // per tile: P's A fragment (tokens 2t, 2t+1 | 2t+8, 2t+9 of rows g | g + 8)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      pa[j][0] = M::pack(s[2 * j][0], s[2 * j][1]);
+      pa[j][1] = M::pack(s[2 * j][2], s[2 * j][3]);
+      pa[j][2] = M::pack(s[2 * j + 1][0], s[2 * j + 1][1]);
+      pa[j][3] = M::pack(s[2 * j + 1][2], s[2 * j + 1][3]);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; n += 2) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, &vt0[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, (n * 8 + (lane / 16) * 8) * 2)]);
+      M::mma(o[n], pa[0][0], pa[0][1], pa[0][2], pa[0][3], b[0], b[1]);
+      M::mma(o[n + 1], pa[0][0], pa[0][1], pa[0][2], pa[0][3], b[2], b[3]);
+      if (two) {
+        ldmatrix_x4_trans(b, &vt1[((lane / 8) % 2) * 8 + (lane % 8)][L::at(lane, (n * 8 + (lane / 16) * 8) * 2)]);
+        M::mma(o[n], pa[1][0], pa[1][1], pa[1][2], pa[1][3], b[0], b[1]);
+        M::mma(o[n + 1], pa[1][0], pa[1][1], pa[1][2], pa[1][3], b[2], b[3]);
+      }
+    }
+  }
+
+  // This warp's states as entry `warp` of st, rows from roff (a pair's second warp: after the first's).'''),
+    ('attend_mma.cuh',
+     '''  static constexpr bool FP8 = IsSame<KV, e4m3>::value;
+  using M = Mma<typename Select<FP8, f16, KV>::type>;  // e4m3 widens exactly to f16''',
+     '''  static constexpr bool FP8 = IsSame<KV, e4m3>::value;
+  static constexpr bool STEP2 = false;
+  using M = Mma<typename Select<FP8, f16, KV>::type>;  // e4m3 widens exactly to f16'''),
+]
+
 # fenced_ticket: the fused merge's ticket as it was before 2026-12-03 (fences around a relaxed atomic)
 _TICKET_ASM = '    asm volatile("atom.add.acq_rel.gpu.s32 %0, [%1], 1;" : "=r"(ticket) : "l"(counter) : "memory");\n'
 _FENCED_TICKET = [
@@ -289,6 +468,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "last_mask": _LAST_MASK,
     "fold_scale": _FOLD_SCALE,
     "merge_items4": _MERGE_ITEMS4,
+    "pair_step2": _PAIR_STEP2,
 }
 
 
