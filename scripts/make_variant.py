@@ -53,11 +53,11 @@ be rerun without hand-editing a tree:
   last CTA merges four items a thread at a time in batches of 4 partials
   (the same 16 loads in flight as two items in batches of 8), so a q_len 4
   group at 4 heads per CTA and at most 4 chunks a row waits on one L2 round
-  trip instead of two. Limited to 16-bit tensor-core
-  rows at head_dim 128: applied to every rows instance it took fp8 at 128 from
-  168 to 170-174 registers and 16-bit head_dim 64 at 3, 5-7 heads from 168 to
-  174, past the 168 of 3 CTAs per SM (NVRTC sm_90); 16-bit head_dim 128 stays
-  at 244-246 (2 CTAs per SM either way).
+  trip instead of two. Limited to 16-bit tensor-core rows at head_dim 128:
+  applied to every rows instance it took fp8 at 128 from 168 to 170-174
+  registers and 16-bit head_dim 64 at 3, 5-7 heads from 168 to 174, past the
+  168 of 3 CTAs per SM (NVRTC sm_90); 16-bit head_dim 128 stays at 244-246 (2
+  CTAs per SM either way).
 
 * ``pair_step2`` (issue 18, prepared in the twenty-seventh session, not yet
   timed or run): warp pairs (q_len 8 row groups) step two 16-token tiles at a
