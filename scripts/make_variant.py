@@ -73,7 +73,9 @@ be rerun without hand-editing a tree:
   (at 104 KB; were 227-230), 64 200-205 (were 180-184); no spills or stack.
   Still 2 CTAs per SM. Time it on the q_len 8 cells that run pairs (8 x 1024,
   64 x 1024, 8 x 8192, 8 x 32768, 64 x 8192) with q_len 4 as control, then
-  the pairs' GPU tests and racecheck under CUPAGED_CUDA_SRC.
+  the pairs' GPU tests and racecheck under CUPAGED_CUDA_SRC. If it lands,
+  make step and step2 one template over the tiles a step (step2 repeats the
+  row max, vote and rescale of step; ``duplicates --change`` lists them).
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
