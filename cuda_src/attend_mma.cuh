@@ -236,6 +236,24 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   };
   const long long k_head = (long long)kv_head * ks.head;
   const long long v_head = (long long)kv_head * vs.head;
+  // Whole-tile pages (below): what a lane's copies share is computed once,
+  // not per tile and pass: its rows r0 + i * ROW_STEP (a pair's warp only its
+  // own passes, no per-pass branch), the ring's shared-space address and its
+  // K/V pointers; the tile's page and slot advance with each copy instead of
+  // a division. That cut ~60 of ~435 instructions a warp-tile and q_len 8 ran
+  // 11-15 % faster (H200, docs/architecture.md "The copy's addresses, once").
+  constexpr int RPP = 32 % CPR == 0 ? 32 / CPR : 1;           // rows per pass
+  constexpr int MY_PASSES = PAIRED ? PASSES / 2 : PASSES;      // (a pair: alternate passes each)
+  constexpr int ROW_STEP = (PAIRED ? 2 : 1) * RPP;
+  constexpr int TILE_BYTES = 2 * MMA_TILE * L::ROW_BYTES;
+  static_assert(!PAIRED || 32 % CPR != 0 || PASSES % 2 == 0, "a pair splits a tile's passes evenly");
+  const int r0 = lane / CPR + half * RPP;
+  const int col_bytes = (lane % CPR) * 16;
+  const unsigned ring = static_cast<unsigned>(__cvta_generic_to_shared(&sm.kv[0][0][0][0][0]));
+  const char* k_lane =
+      reinterpret_cast<const char*>(k_cache + k_head) + col_bytes + (long long)r0 * ks.token * (int)sizeof(KV);
+  const char* v_lane =
+      reinterpret_cast<const char*>(v_cache + v_head) + col_bytes + (long long)r0 * vs.token * (int)sizeof(KV);
 
   for_each_page_window<MMA_THREADS>(req_pages, page_size, slot_begin, slot_end, sm.page_ids,
                                     [&](int win, int s0, int s1) {
@@ -245,35 +263,52 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
     // a first_page_offset): one page-id read and one address per tile, each
     // pass a fixed step from it, instead of a (page, slot) walk per pass.
     const bool page_tiles = 32 % CPR == 0 && page_size % MMA_TILE == 0 && s0 % MMA_TILE == 0;
+    // (page_tiles: the page and slot of this warp's next tile, one division a window)
+    int next_p = 0, next_slot = 0;
+    if (page_tiles) {
+      next_p = (s0 + tix * MMA_TILE) / page_size;
+      next_slot = s0 + tix * MMA_TILE - next_p * page_size;
+    }
 
     auto copy = [&](int stage, int it) {
       const int base = s0 + it * CTA_TILE + tix * MMA_TILE;
-      // (unpaired, each copy's address as before pairs: the plain kernel's
-      // machine code unchanged; paired, the tile's address computed once)
+      // (the (page, slot) walk below: unpaired, each copy's address as before
+      // pairs; paired, the tile's address computed once)
       auto* kv = tile_at(stage);
       auto dst = [&](int kv_i, int r, int at) { return PAIRED ? &kv[kv_i][r][at] : &sm.kv[stage][warp][kv_i][r][at]; };
       if (page_tiles) {
-        constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
-        const int col = (lane % CPR) * ELEMS_PER_CHUNK;
-        const KV* kp = k_cache;
-        const KV* vp = v_cache;
-        if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)
-          const int p = base / page_size;
-          const long long page = sm.page_ids[p - win];
-          const int slot = base - p * page_size + lane / CPR;
-          kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
-          vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
+        // (the ring's stage index as tile_at's)
+        const int slot_index = PAIRED ? (stage / 2) * MMA_WARPS + (stage % 2) * SLOTS + tix : stage * MMA_WARPS + warp;
+        const unsigned dst0 = ring + slot_index * TILE_BYTES;
+        const int p = next_p, slot = next_slot;
+        next_slot += CTA_TILE;  // (copies come in tile order: the ring issues it = 0, 1, 2, ...)
+        while (next_slot >= page_size) {
+          next_slot -= page_size;
+          ++next_p;
         }
+        if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)
+          const long long page = sm.page_ids[p - win];
+          const char* kp = k_lane + (page * ks.page + slot * ks.token) * (int)sizeof(KV);
+          const char* vp = v_lane + (page * vs.page + slot * vs.token) * (int)sizeof(KV);
 #pragma unroll
-        for (int pass = 0; pass < PASSES; ++pass) {
-          if (PAIRED && pass % 2 != half) continue;  // (the partner's pass)
-          const int r = lane / CPR + pass * ROWS_PER_PASS;
-          const bool valid = base + r < s1;
-          const int at = L::at(r, col * (int)sizeof(KV));
-          cp_async_16<L2_HINT, EVICT_FIRST>(dst(0, r, at),
-                                            valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
-          cp_async_16<L2_HINT, EVICT_FIRST>(dst(1, r, at),
-                                            valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
+          for (int i = 0; i < MY_PASSES; ++i) {
+            const int r = r0 + i * ROW_STEP;
+            const bool valid = base + r < s1;  // (an invalid row's address still lies in the tile's page)
+            const unsigned at = dst0 + r * L::ROW_BYTES + L::at(r, col_bytes);
+            cp_async_16s<L2_HINT, EVICT_FIRST>(at, kp + (long long)i * ROW_STEP * ks.token * (int)sizeof(KV), valid,
+                                               policy);
+            cp_async_16s<L2_HINT, EVICT_FIRST>(at + MMA_TILE * L::ROW_BYTES,
+                                               vp + (long long)i * ROW_STEP * vs.token * (int)sizeof(KV), valid,
+                                               policy);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < MY_PASSES; ++i) {
+            const int r = r0 + i * ROW_STEP;
+            const unsigned at = dst0 + r * L::ROW_BYTES + L::at(r, col_bytes);
+            cp_async_16s<L2_HINT, EVICT_FIRST>(at, k_cache, false, policy);
+            cp_async_16s<L2_HINT, EVICT_FIRST>(at + MMA_TILE * L::ROW_BYTES, v_cache, false, policy);
+          }
         }
       } else {
         // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).

@@ -114,9 +114,8 @@ __device__ __forceinline__ uint4 load_vec(const T* p) {
 // miss); POLICY adds an L2 cache-eviction policy from createpolicy (see
 // evict_first_policy). Where each pays is measured: see the tensor-core token loop.
 template <bool L2_128B = false, bool POLICY = false>
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid,
-                                            unsigned long long policy = 0) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void cp_async_16s(unsigned dst, const void* gmem, bool valid,
+                                             unsigned long long policy = 0) {  // (dst: a shared-space address)
   const int n = valid ? 16 : 0;
   if constexpr (L2_128B && POLICY)
     asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(dst),
@@ -128,6 +127,11 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
   else
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(n));
+}
+template <bool L2_128B = false, bool POLICY = false>
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid,
+                                            unsigned long long policy = 0) {
+  cp_async_16s<L2_128B, POLICY>(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, valid, policy);
 }
 // An L2 policy that marks the lines it loads for eviction first: the K/V
 // stream is read once, so it should not push out what is read again.
