@@ -59,23 +59,19 @@ be rerun without hand-editing a tree:
   168 of 3 CTAs per SM (NVRTC sm_90); 16-bit head_dim 128 stays at 244-246 (2
   CTAs per SM either way).
 
-* ``pair_step2`` (issue 18, prepared in the twenty-seventh session, not yet
-  timed or run): warp pairs (q_len 8 row groups) step two 16-token tiles at a
-  time with one online-softmax update over their 32 tokens: S of four n-tiles
-  (four MMA chains), one max, vote and rescale, then P.V of both tiles
-  (``RowsTile::step2``); the pairs' ring hands over two stages a step and
-  refills the two read one step ago (``cp_async_ring_pairs2``; 4 stages at the
-  default 72 KB, 6 with ``CUPAGED_MMA_SMEM_KB=104``). Why: ncu put the paired
-  q_len 8 step at 2 warps per scheduler with 58 % of cycles idle on latency,
-  one softmax chain per 16 tokens; FlashInfer's prefill, faster there, steps
-  32-64 tokens per softmax. NVRTC sm_90, the rows instances with pairs
-  (power-of-two heads): head_dim 128 254-255 registers (were 246), 96 233-240
-  (at 104 KB; were 227-230), 64 200-205 (were 180-184); no spills or stack.
-  Still 2 CTAs per SM. Time it on the q_len 8 cells that run pairs (8 x 1024,
-  64 x 1024, 8 x 8192, 8 x 32768, 64 x 8192) with q_len 4 as control, then
-  the pairs' GPU tests and racecheck under CUPAGED_CUDA_SRC. If it lands,
-  make step and step2 one template over the tiles a step (step2 repeats the
-  row max, vote and rescale of step; ``duplicates --change`` lists them).
+* ``pair_step2`` (issue 18, prepared in the twenty-seventh session; timed in
+  the twenty-eighth, not kept): warp pairs (q_len 8 row groups) step two
+  16-token tiles at a time with one online-softmax update over their 32
+  tokens: S of four n-tiles (four MMA chains), one max, vote and rescale, then
+  P.V of both tiles (``RowsTile::step2``); the pairs' ring hands over two
+  stages a step and refills the two read one step ago
+  (``cp_async_ring_pairs2``; 4 stages at the default 72 KB, 6 with
+  ``CUPAGED_MMA_SMEM_KB=104``). NVRTC sm_90, head_dim 128: 254-255 registers,
+  no spills. H200 against f151d8f (``docs/benchmarks/pair-step2-ab-h200-2026-12-03.log``):
+  q_len 8 1-4 % slower at 72 KB, 1-11 % at 104 KB; q_len 4 within 1.3 %. Its
+  16-bit checks pass; its fp8 instances do not compile (``consume2`` is built
+  for ColsTile too, which has no ``step2``): guard it with ``if constexpr``
+  before a rerun over the trimmed copy of 5a61cb3.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -277,8 +273,8 @@ _MERGE_ITEMS4 = [
      "  constexpr int BATCH = ITEMS > 2 ? 4 : 8;  // variant merge_items4\n"),
 ]
 
-# pair_step2 (issue 18, twenty-seventh session; prepared, not yet timed): warp pairs step two 16-token tiles
-# at a time, one online-softmax update over 32 tokens (RowsTile::step2, cp_async_ring_pairs2)
+# pair_step2 (issue 18, twenty-seventh session; timed in the twenty-eighth, not kept): warp pairs step two
+# 16-token tiles at a time, one online-softmax update over 32 tokens (RowsTile::step2, cp_async_ring_pairs2)
 _PAIR_STEP2 = [
     ('common.cuh',
      '''// Programmatic dependent launch (sm_90;''',
