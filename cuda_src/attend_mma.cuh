@@ -243,6 +243,10 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   // a division: a warp pair's copy of a tile went from ~170 to ~100 of the
   // ~435 instructions a warp-tile takes, and q_len 8 ran 11-15 % faster
   // (H200, docs/architecture.md "The copy's addresses, once").
+  // 16-bit KV only: with it the fp8 rows instances took 190-197 registers
+  // (were 168), past the 3 CTAs per SM their plans count; fp8 keeps the
+  // per-tile form below (MMA_FP8_RESIDENT_CTAS in cupaged/_configs.py).
+  constexpr bool LEAN = sizeof(KV) == 2;
   constexpr int RPP = 32 % CPR == 0 ? 32 / CPR : 1;           // rows per pass
   constexpr int MY_PASSES = PAIRED ? PASSES / 2 : PASSES;      // (a pair: alternate passes each)
   constexpr int ROW_STEP = (PAIRED ? 2 : 1) * RPP;
@@ -266,18 +270,18 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
     const bool page_tiles = 32 % CPR == 0 && page_size % MMA_TILE == 0 && s0 % MMA_TILE == 0;
     // (page_tiles: the page and slot of this warp's next tile, one division a window)
     int next_p = 0, next_slot = 0;
-    if (page_tiles) {
+    if (LEAN && page_tiles) {
       next_p = (s0 + tix * MMA_TILE) / page_size;
       next_slot = s0 + tix * MMA_TILE - next_p * page_size;
     }
 
     auto copy = [&](int stage, int it) {
       const int base = s0 + it * CTA_TILE + tix * MMA_TILE;
-      // (the (page, slot) walk below: unpaired, each copy's address as before
-      // pairs; paired, the tile's address computed once)
+      // (fp8's whole tiles and the (page, slot) walk below: unpaired, each
+      // copy's address as before pairs; paired, the tile's address computed once)
       auto* kv = tile_at(stage);
       auto dst = [&](int kv_i, int r, int at) { return PAIRED ? &kv[kv_i][r][at] : &sm.kv[stage][warp][kv_i][r][at]; };
-      if (page_tiles) {
+      if (LEAN && page_tiles) {
         // (the ring's stage index as tile_at's)
         const int slot_index = PAIRED ? (stage / 2) * MMA_WARPS + (stage % 2) * SLOTS + tix : stage * MMA_WARPS + warp;
         const unsigned dst0 = ring + slot_index * TILE_BYTES;
@@ -310,6 +314,29 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
             cp_async_16s<L2_HINT, EVICT_FIRST>(at, k_cache, false, policy);
             cp_async_16s<L2_HINT, EVICT_FIRST>(at + MMA_TILE * L::ROW_BYTES, v_cache, false, policy);
           }
+        }
+      } else if (page_tiles) {
+        constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
+        const int col = (lane % CPR) * ELEMS_PER_CHUNK;
+        const KV* kp = k_cache;
+        const KV* vp = v_cache;
+        if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)
+          const int p = base / page_size;
+          const long long page = sm.page_ids[p - win];
+          const int slot = base - p * page_size + lane / CPR;
+          kp = k_cache + page * ks.page + slot * ks.token + k_head + col;
+          vp = v_cache + page * vs.page + slot * vs.token + v_head + col;
+        }
+#pragma unroll
+        for (int pass = 0; pass < PASSES; ++pass) {
+          if (PAIRED && pass % 2 != half) continue;  // (the partner's pass)
+          const int r = lane / CPR + pass * ROWS_PER_PASS;
+          const bool valid = base + r < s1;
+          const int at = L::at(r, col * (int)sizeof(KV));
+          cp_async_16<L2_HINT, EVICT_FIRST>(dst(0, r, at),
+                                            valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
+          cp_async_16<L2_HINT, EVICT_FIRST>(dst(1, r, at),
+                                            valid ? vp + pass * ROWS_PER_PASS * vs.token : v_cache, valid, policy);
         }
       } else {
         // Chunk c = lane + 32 * pass is row c / CPR, 16 bytes at (c % CPR).

@@ -69,9 +69,10 @@ be rerun without hand-editing a tree:
   ``CUPAGED_MMA_SMEM_KB=104``). NVRTC sm_90, head_dim 128: 254-255 registers,
   no spills. H200 against f151d8f (``docs/benchmarks/pair-step2-ab-h200-2026-12-03.log``):
   q_len 8 1-4 % slower at 72 KB, 1-11 % at 104 KB; q_len 4 within 1.3 %. Its
-  16-bit checks pass; its fp8 instances do not compile (``consume2`` is built
-  for ColsTile too, which has no ``step2``): guard it with ``if constexpr``
-  before a rerun over the trimmed copy of 5a61cb3.
+  16-bit checks passed; its fp8 instances did not compile then (``consume2``
+  was built for ColsTile too, which has no ``step2``; now defined inside the
+  ``if constexpr`` branch). Worth a rerun over the trimmed copy of 5a61cb3,
+  which left the softmax a larger share of the step.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -307,15 +308,15 @@ __device__ __forceinline__ void cp_async_ring_pairs2(int n_iter, Copy& copy, Con
      '''    // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
     if constexpr (PAIRED)
       cp_async_ring<2 * STAGES, false, true>(n_iter, copy, consume, 1 + tix);''',
-     '''    auto consume2 = [&](int st0, int st1, int it, bool two) {
-      auto* a = tile_at(st0);
-      auto* b = tile_at(st1);
-      tile.step2(a[0], a[1], b[0], b[1], s0 + it * CTA_TILE + tix * MMA_TILE, two, s1);
-    };
-    // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
-    if constexpr (PAIRED && Tile::STEP2)
+     '''    // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
+    if constexpr (PAIRED && Tile::STEP2) {
+      auto consume2 = [&](int st0, int st1, int it, bool two) {  // (only RowsTile has step2)
+        auto* a = tile_at(st0);
+        auto* b = tile_at(st1);
+        tile.step2(a[0], a[1], b[0], b[1], s0 + it * CTA_TILE + tix * MMA_TILE, two, s1);
+      };
       cp_async_ring_pairs2<2 * STAGES>(n_iter, copy, consume2, 1 + tix);
-    else if constexpr (PAIRED)
+    } else if constexpr (PAIRED)
       cp_async_ring<2 * STAGES, false, true>(n_iter, copy, consume, 1 + tix);'''),
     ('attend_mma.cuh',
      '''  static constexpr int HALVES = GROUPS ? 2 : 1;  // MMA rows g (and g + 8) this lane keeps''',

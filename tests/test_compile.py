@@ -77,6 +77,15 @@ def test_module_compiles_without_spills(family, dtype, head_dim, compile_reports
         assert res.spill_stores == 0 and res.spill_loads == 0, res
         assert res.stack_bytes == 0, res
         assert res.registers <= 255, res
+    if family in _configs.PARTIAL_FAMILIES:
+        # A tensor-core instance must fit the CTAs per SM its plans count: fp8
+        # counts 3 (MMA_FP8_RESIDENT_CTAS) without a __launch_bounds__ to hold
+        # it there (registers are allocated 8 a thread).
+        ctas = _configs.mma_traits(dtype, head_dim).resident_ctas
+        limit = 65536 // (ctas * _configs.MMA_WARPS * 32) // 8 * 8
+        for name, res in report.items():
+            if "Core::MMA" in name:
+                assert res.registers <= limit, (name, res, f"{ctas} CTAs per SM allow {limit} registers")
 
 
 def test_source_hash_covers_headers(tmp_path, monkeypatch):
