@@ -71,8 +71,10 @@ be rerun without hand-editing a tree:
   q_len 8 1-4 % slower at 72 KB, 1-11 % at 104 KB; q_len 4 within 1.3 %. Its
   16-bit checks passed; its fp8 instances did not compile then (``consume2``
   was built for ColsTile too, which has no ``step2``; now defined inside the
-  ``if constexpr`` branch). Worth a rerun over the trimmed copy of 5a61cb3,
-  which left the softmax a larger share of the step.
+  ``if constexpr`` branch). Over the trimmed copy of 5a61cb3 (which left the
+  softmax a larger share of the step) it spills 8-12 bytes at 16-bit
+  head_dim 128 (NVRTC sm_90): a rerun needs registers freed first (Q in
+  shared memory).
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
