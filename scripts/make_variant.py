@@ -75,6 +75,18 @@ be rerun without hand-editing a tree:
   softmax a larger share of the step) it spills 8-12 bytes at 16-bit
   head_dim 128 (NVRTC sm_90): a rerun needs registers freed first (Q in
   shared memory).
+* ``copy_u32`` (issue 18/20, prepared in the twenty-eighth session, not yet
+  timed): the 16-bit whole-tile copy of 5a61cb3 trimmed further: a page-16
+  table advances the next tile's page by a constant (no slot loop), and the
+  page's K/V byte offsets are 32 x 32 -> 64-bit products (a page's stride
+  below 4 GB, which a host check would have to guarantee if it lands)
+  instead of 64 x 64. Why: after 5a61cb3 the copy is still ~100 of a warp
+  tile's ~290 instructions (SASS), and instruction count is what held q_len 8
+  behind FlashInfer (``docs/benchmarks/ncu-q8-64x8192-h200-2026-12-03.md``).
+  NVRTC sm_90: registers as 5a61cb3's (rows 248-255, plain 194-197 at
+  head_dim 128), no spills; a warp pair's copy of a page-16 tile ~83
+  instructions on its executed path (was ~100). Time it on the q_len 8
+  cells and the small one-token cells.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -450,6 +462,36 @@ _FENCED_TICKET = [
 ]
 
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
+# copy_u32 (issues 18/20, twenty-eighth session; prepared, not yet timed): the 16-bit whole-tile copy with a
+# page-16 advance and 32-bit page-offset products
+_COPY_U32 = [
+    ('attend_mma.cuh',
+     '''        next_slot += CTA_TILE;  // (copies come in tile order: the ring issues it = 0, 1, 2, ...)
+        while (next_slot >= page_size) {
+          next_slot -= page_size;
+          ++next_p;
+        }''',
+     '''        if (page_size == MMA_TILE) {  // (variant copy_u32: page 16, each tile its own page)
+          next_p += CTA_TILE / MMA_TILE;
+        } else {
+          next_slot += CTA_TILE;  // (copies come in tile order: the ring issues it = 0, 1, 2, ...)
+          while (next_slot >= page_size) {
+            next_slot -= page_size;
+            ++next_p;
+          }
+        }'''),
+    ('attend_mma.cuh',
+     '''          const long long page = sm.page_ids[p - win];
+          const char* kp = k_lane + (page * ks.page + slot * ks.token) * (int)sizeof(KV);
+          const char* vp = v_lane + (page * vs.page + slot * vs.token) * (int)sizeof(KV);''',
+     '''          // (variant copy_u32: a page's stride below 4 GB, so 32 x 32 -> 64-bit products)
+          const unsigned page = static_cast<unsigned>(sm.page_ids[p - win]);
+          const char* kp = k_lane + ((unsigned long long)page * (unsigned)(ks.page * (int)sizeof(KV)) +
+                                     (unsigned)(slot * ks.token * (int)sizeof(KV)));
+          const char* vp = v_lane + ((unsigned long long)page * (unsigned)(vs.page * (int)sizeof(KV)) +
+                                     (unsigned)(slot * vs.token * (int)sizeof(KV)));'''),
+]
+
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
     "padded": _PADDED,
@@ -470,6 +512,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fold_scale": _FOLD_SCALE,
     "merge_items4": _MERGE_ITEMS4,
     "pair_step2": _PAIR_STEP2,
+    "copy_u32": _COPY_U32,
 }
 
 
