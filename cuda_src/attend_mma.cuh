@@ -203,13 +203,13 @@ __device__ __forceinline__ float load_q_fragments(const T* __restrict__ q, bool 
 // The per-warp token loop both tensor-core tiles share: walks the visible
 // slots in page windows; each warp copies its 16-token tiles of K and V
 // global -> shared with cp.async (STAGES - 1 tiles ahead) and hands each
-// landed tile to tile.step(kt, vt, base, lo, s1) (base: the tile's first
-// slot; slots outside [lo, s1) are masked).
+// landed tile to tile.step<LO>(kt, vt, base, lo, s1) (base: the tile's first
+// slot; slots past s1 are masked, and with LO those before lo).
 // PAIRED (a row group of more tokens than one tile holds rows): warps 2p and
 // 2p + 1 share each tile, copy alternate rows of it and step their own rows
 // over all of it, so the K/V is read once for twice the rows; the ring is
 // then 2 x STAGES stages of MMA_WARPS / 2 tiles (the same bytes in flight).
-template <typename KV, int HEAD_DIM, bool PAIRED, typename Scratch, typename Tile>
+template <typename KV, int HEAD_DIM, bool PAIRED, bool LO, typename Scratch, typename Tile>
 __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, CacheStrides ks,
                                                const KV* __restrict__ v_cache, CacheStrides vs, int kv_head,
                                                const int* __restrict__ req_pages, int page_size, int slot_begin,
@@ -261,22 +261,25 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
   const char* v_lane =
       reinterpret_cast<const char*>(v_cache + v_head) + col_bytes + (long long)r0 * vs.token * (int)sizeof(KV);
 
-  // A range that starts inside a tile (a window's start, a first_page_offset)
-  // takes whole tiles too when pages hold whole tiles: it starts at its tile
-  // boundary, the copy zero-fills the slots before slot_begin and the tile
-  // masks them (only the first tile has any), where it took the (page, slot)
-  // walk for its first page window before (H200: windowed decode 2-16 %
-  // faster, docs/architecture.md "Windows start on a tile").
+  // LO: a range that starts inside a tile (a window's start, a
+  // first_page_offset) takes whole tiles too when pages hold whole tiles: it
+  // starts at its tile boundary, the copy zero-fills the slots before
+  // slot_begin and the tile masks them (only the first tile has any), where
+  // it took the (page, slot) walk for its first page window before (H200:
+  // windowed decode 2-16 % faster, the smallest plain cells ~2 % slower).
+  // One query token per request and 16-bit KV only: in the row-group
+  // instances (255 registers) it cost 1.5-2 % at q_len 8, and fp8 was not
+  // timed with it (docs/architecture.md "Windows start on a tile").
   const bool whole_tiles = 32 % CPR == 0 && page_size % MMA_TILE == 0;
   const int lo = slot_begin;
-  for_each_page_window<MMA_THREADS>(req_pages, page_size, whole_tiles ? lo - lo % MMA_TILE : lo, slot_end,
+  for_each_page_window<MMA_THREADS>(req_pages, page_size, LO && whole_tiles ? lo - lo % MMA_TILE : lo, slot_end,
                                     sm.page_ids, [&](int win, int s0, int s1) {
     const int n_iter = (s1 - s0 + CTA_TILE - 1) / CTA_TILE;
-    // Every 16-token tile lies in one page when pages hold whole tiles (the
-    // range starts on a tile boundary, above): one page-id read and one
-    // address per tile, each pass a fixed step from it, instead of a (page,
-    // slot) walk per pass.
-    const bool page_tiles = whole_tiles;
+    // Every 16-token tile lies in one page when pages hold whole tiles and
+    // the range starts on a tile boundary (a page-16 table's chunks; with LO
+    // every range): one page-id read and one address per tile, each pass a
+    // fixed step from it, instead of a (page, slot) walk per pass.
+    const bool page_tiles = whole_tiles && (LO || s0 % MMA_TILE == 0);
     // (page_tiles: the page and slot of this warp's next tile, one division a window)
     int next_p = 0, next_slot = 0;
     if (LEAN && page_tiles) {
@@ -308,7 +311,7 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
           for (int i = 0; i < MY_PASSES; ++i) {
             const int r = r0 + i * ROW_STEP;
             // (rows in [lo, s1); an invalid row's address still lies in the tile's page)
-            const bool valid = static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo);
+            const bool valid = LO ? static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo) : base + r < s1;
             const unsigned at = dst0 + r * L::ROW_BYTES + L::at(r, col_bytes);
             cp_async_16s<L2_HINT, EVICT_FIRST>(at, kp + (long long)i * ROW_STEP * ks.token * (int)sizeof(KV), valid,
                                                policy);
@@ -341,7 +344,7 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
         for (int pass = 0; pass < PASSES; ++pass) {
           if (PAIRED && pass % 2 != half) continue;  // (the partner's pass)
           const int r = lane / CPR + pass * ROWS_PER_PASS;
-          const bool valid = static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo);
+          const bool valid = LO ? static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo) : base + r < s1;
           const int at = L::at(r, col * (int)sizeof(KV));
           cp_async_16<L2_HINT, EVICT_FIRST>(dst(0, r, at),
                                             valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
@@ -386,7 +389,7 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
     };
     auto consume = [&](int stage, int it) {
       auto* kv = tile_at(stage);
-      tile.step(kv[0], kv[1], s0 + it * CTA_TILE + tix * MMA_TILE, lo, s1);
+      tile.template step<LO>(kv[0], kv[1], s0 + it * CTA_TILE + tix * MMA_TILE, lo, s1);
     };
     // (lanes read each other's copies; a pair's two warps each other's, past the pair's barrier)
     if constexpr (PAIRED)
@@ -437,6 +440,7 @@ struct RowsTile {
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   }
 
+  template <bool LO>
   __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int lo, int s1) {
     // S = Q K^T: two n-tiles of 8 tokens; one ldmatrix.x4 covers 32 dims of one n-tile
     // (an odd last k-step, head_dim 80: one ldmatrix.x2 of 16 dims). Even and odd
@@ -475,7 +479,7 @@ struct RowsTile {
 #pragma unroll
         for (int e = 0; e < 2 * HALVES; ++e) s[n][e] = sc.cap(s[n][e]);
     }
-    if (base < lo) {  // (uniform: a range's first tile only, its slots before lo)
+    if (LO && base < lo) {  // (uniform: a range's first tile only, its slots before lo)
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -624,6 +628,7 @@ struct ColsTile {
   // The head dim of O^T row g (h = 0) or g + 8 (h = 1) of m-tile i.
   __device__ __forceinline__ int dim_of(int i, int h) const { return FP8 ? 16 * i + 2 * g + h : 16 * i + g + 8 * h; }
 
+  template <bool LO>
   __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int lo, int s1) {
     // S^T = K Q^T: rows tokens g, g + 8; columns heads 2t, 2t + 1. One
     // ldmatrix.x4 covers 32 bytes of the tile's 16 rows: matrix j is tokens
@@ -653,7 +658,7 @@ struct ColsTile {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] = sc.cap(s[i]);
     }
-    if (base < lo) {  // (uniform: a range's first tile only, its slots before lo)
+    if (LO && base < lo) {  // (uniform: a range's first tile only, its slots before lo)
       if (base + g < lo) s[0] = s[1] = neg_inf();
       if (base + g + 8 < lo) s[2] = s[3] = neg_inf();
     }
@@ -798,8 +803,9 @@ __device__ __forceinline__ void cta_attend_mma(
                                           rg.lim0 + half * TOKENS}
                                : rg;
   Tile tile(PAIRED ? q + half * TOKENS * rg.stride_q_row : q, stride_q_head, sc, mine);
-  mma_token_loop<KV, HEAD_DIM, PAIRED>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin,
-                                       slot_end, sm, tile);
+  constexpr bool LO = !GROUPS && sizeof(KV) == 2;  // (where it was measured: mma_token_loop)
+  mma_token_loop<KV, HEAD_DIM, PAIRED, LO>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin,
+                                           slot_end, sm, tile);
   __syncthreads();  // the ring becomes the combine buffer
   if constexpr (PAIRED) {
     tile.store(sm.paired, threadIdx.x / 64, half * TOKENS * HEADS);
