@@ -803,7 +803,8 @@ __device__ __forceinline__ void cta_attend_mma(
                                           rg.lim0 + half * TOKENS}
                                : rg;
   Tile tile(PAIRED ? q + half * TOKENS * rg.stride_q_row : q, stride_q_head, sc, mine);
-  constexpr bool LO = !GROUPS && sizeof(KV) == 2;  // (where it was measured: mma_token_loop)
+  // (LO where it was measured, and where it then takes whole tiles: mma_token_loop)
+  constexpr bool LO = !GROUPS && sizeof(KV) == 2 && 32 % MmaLayout<KV, HEAD_DIM>::CPR == 0;
   mma_token_loop<KV, HEAD_DIM, PAIRED, LO>(k_cache, ks, v_cache, vs, kv_head, req_pages, page_size, slot_begin,
                                            slot_end, sm, tile);
   __syncthreads();  // the ring becomes the combine buffer
