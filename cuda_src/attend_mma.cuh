@@ -311,7 +311,8 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
           for (int i = 0; i < MY_PASSES; ++i) {
             const int r = r0 + i * ROW_STEP;
             // (rows in [lo, s1); an invalid row's address still lies in the tile's page)
-            const bool valid = LO ? static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo) : base + r < s1;
+            const bool valid =
+                LO ? static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo) : base + r < s1;
             const unsigned at = dst0 + r * L::ROW_BYTES + L::at(r, col_bytes);
             cp_async_16s<L2_HINT, EVICT_FIRST>(at, kp + (long long)i * ROW_STEP * ks.token * (int)sizeof(KV), valid,
                                                policy);
