@@ -77,17 +77,18 @@ be rerun without hand-editing a tree:
   shared memory).
 * ``copy_u32`` (issue 18/20, prepared in the twenty-eighth session; timed in
   the twenty-ninth, not kept: every cell within 1.3 % of 8e7edc3,
-  docs/benchmarks/copy-u32-ab-h200-2026-12-03.log): the 16-bit whole-tile copy of 5a61cb3 trimmed further: a page-16
-  table advances the next tile's page by a constant (no slot loop), and the
-  page's K/V byte offsets are 32 x 32 -> 64-bit products (a page's stride
+  docs/benchmarks/copy-u32-ab-h200-2026-12-03.log): the 16-bit whole-tile
+  copy of 5a61cb3 trimmed further: a page-16 table advances the next
+  tile's page by a constant (no slot loop), and the page's K/V byte offsets
+  are 32 x 32 -> 64-bit products (a page's stride
   below 4 GB, which a host check would have to guarantee if it lands)
   instead of 64 x 64. Why: after 5a61cb3 the copy is still ~100 of a warp
   tile's ~290 instructions (SASS), and instruction count is what held q_len 8
   behind FlashInfer (``docs/benchmarks/ncu-q8-64x8192-h200-2026-12-03.md``).
   NVRTC sm_90: registers as 5a61cb3's (rows 248-255, plain 194-197 at
   head_dim 128), no spills; a warp pair's copy of a page-16 tile ~83
-  instructions on its executed path (was ~100). Time it on the q_len 8
-  cells and the small one-token cells.
+  instructions on its executed path (was ~100); timed on the q_len 8 cells
+  and the small one-token cells, above.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -463,8 +464,8 @@ _FENCED_TICKET = [
 ]
 
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
-# copy_u32 (issues 18/20, twenty-eighth session; timed in the twenty-ninth: within 1.3 %, not kept): the 16-bit whole-tile copy with a
-# page-16 advance and 32-bit page-offset products
+# copy_u32 (issues 18/20, twenty-eighth session; timed in the twenty-ninth: within 1.3 %, not kept): the 16-bit
+# whole-tile copy with a page-16 advance and 32-bit page-offset products
 _COPY_U32 = [
     ('attend_mma.cuh',
      '''        next_slot += CTA_TILE;  // (copies come in tile order: the ring issues it = 0, 1, 2, ...)
