@@ -330,6 +330,7 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
           }
         }
       } else if (page_tiles) {
+        static_assert(LEAN || !LO, "LO takes the 16-bit copy above");
         constexpr int ROWS_PER_PASS = 32 % CPR == 0 ? 32 / CPR : 1;
         const int col = (lane % CPR) * ELEMS_PER_CHUNK;
         const KV* kp = k_cache;
@@ -345,7 +346,7 @@ __device__ __forceinline__ void mma_token_loop(const KV* __restrict__ k_cache, C
         for (int pass = 0; pass < PASSES; ++pass) {
           if (PAIRED && pass % 2 != half) continue;  // (the partner's pass)
           const int r = lane / CPR + pass * ROWS_PER_PASS;
-          const bool valid = LO ? static_cast<unsigned>(base + r - lo) < static_cast<unsigned>(s1 - lo) : base + r < s1;
+          const bool valid = base + r < s1;  // (fp8: no LO instance)
           const int at = L::at(r, col * (int)sizeof(KV));
           cp_async_16<L2_HINT, EVICT_FIRST>(dst(0, r, at),
                                             valid ? kp + pass * ROWS_PER_PASS * ks.token : k_cache, valid, policy);
@@ -631,6 +632,7 @@ struct ColsTile {
 
   template <bool LO>
   __device__ __forceinline__ void step(const Row* kt, const Row* vt, int base, int lo, int s1) {
+    static_assert(!LO, "LO (16-bit KV, 32 % CPR == 0) has RowsTile instances only");
     // S^T = K Q^T: rows tokens g, g + 8; columns heads 2t, 2t + 1. One
     // ldmatrix.x4 covers 32 bytes of the tile's 16 rows: matrix j is tokens
     // (j % 2) * 8.. and bytes 16 * (j / 2).. of the block. 16-bit: that is
@@ -658,10 +660,6 @@ struct ColsTile {
     if (sc.soft_cap > 0.f) {  // uniform branch
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[i] = sc.cap(s[i]);
-    }
-    if (LO && base < lo) {  // (uniform: a range's first tile only, its slots before lo)
-      if (base + g < lo) s[0] = s[1] = neg_inf();
-      if (base + g + 8 < lo) s[2] = s[3] = neg_inf();
     }
     if constexpr (GROUPS) {  // columns 2t and 2t + 1 end where their tokens do
       const int e0 = min(s1, lim0), e1 = min(s1, lim1);
