@@ -160,6 +160,9 @@ SOURCES: dict[str, str] = {
     # the partial kernel over row groups (several query tokens per request);
     # its own modules, so a plain decode never compiles them
     "rows": "paged_decode_partial.cu",
+    # the same kernel on 8-warp CTAs, one per SM (wide_rows): row-group plans
+    # held to one CTA per SM (small grids), 16-bit KV at head_dim 128
+    "rows8": "paged_decode_partial.cu",
     "v1": "paged_decode_v1.cu",
     "merge": "merge_states.cu",
     "append": "append_kv.cu",
@@ -172,7 +175,15 @@ APPEND_DTYPES: tuple[str, ...] = ("float16", "bfloat16", "float32")
 APPEND_ANY_HEAD_DIM = 0
 APPEND_CACHE_TYPES: tuple[str, ...] = ("same", FP8)  # index = instance index
 # the partial kernel's families -> its __global__ function
-PARTIAL_FAMILIES: dict[str, str] = {"partial": "paged_decode_partial", "rows": "paged_decode_rows"}
+PARTIAL_FAMILIES: dict[str, str] = {"partial": "paged_decode_partial", "rows": "paged_decode_rows",
+                                    "rows8": "paged_decode_rows"}
+# Family rows8's CTA: (warps, CTAs per SM). A row-group plan held to one
+# 4-warp CTA per SM (schedule.residency_choices: small grids, where fewer
+# chunks mean a cheaper merge) leaves one warp per scheduler to wait on each
+# MMA and shuffle; the same grid of 8-warp CTAs (the SM's 8 warps, as 2 CTAs
+# of 4 give a large grid) ran batch-1 q_len 4-8 4-12 % faster (H200,
+# docs/architecture.md "Eight warps for one-per-SM row groups").
+WIDE_ROWS_SHAPE: tuple[int, int] = (8, 1)
 
 
 _NAMES = {np.dtype(np.float16): "float16", np.dtype(ml_dtypes.bfloat16): "bfloat16",
@@ -204,10 +215,12 @@ def check_head_dim(head_dim: int) -> None:
 
 def name_expressions(family: str, dtype: str, head_dim: int) -> list[str]:
     """Template instances of one compiled module: (family, dtype, head_dim);
-    ``dtype`` is a module variant (:func:`variant`) for the partial family."""
+    ``dtype`` is a module variant (:func:`variant`) for the partial family
+    (rows8: the tensor-core instances where :func:`wide_rows`, else none)."""
     if family in PARTIAL_FAMILIES:
         return [f"cupaged::{PARTIAL_FAMILIES[family]}<{_storage(dtype)}, {head_dim}, {h}, {core}>"
                 for name, (core, _, _, _) in CORES.items() if serves(name, dtype, head_dim)
+                and (family != "rows8" or (name == "mma" and wide_rows(dtype, head_dim)))
                 for h in HEADS_PER_CTA]
     t = DTYPES[dtype]
     if family == "v1":
@@ -262,7 +275,7 @@ PAGE_WINDOW_BYTES = 256 * 4  # cuda_src/attend.cuh PAGE_WINDOW page ids
 SM_SMEM_KB = 228  # shared memory per SM (sm_90), 1 KB of it reserved per CTA
 
 
-def mma_traits(variant_name: str, head_dim: int) -> MmaTraits:
+def mma_traits(variant_name: str, head_dim: int, family: str = "partial") -> MmaTraits:
     """The :class:`MmaTraits` of a tensor-core instance. Shared memory:
     ``MMA_SMEM_KB`` (72: 2-3 ring stages up to head_dim 128), or what two
     stages of the row layout take when that is more (16-bit head_dim 192:
@@ -277,32 +290,63 @@ def mma_traits(variant_name: str, head_dim: int) -> MmaTraits:
     fp8 = is_fp8(variant_name)
     data = head_dim * (1 if fp8 else 2)
     row = data if data % 128 == 0 else data + 16
-    ring = 2 * MMA_WARPS * 2 * 16 * row  # 2 stages x warps x (K, V) x 16 tokens
+    warps, min_blocks = cta_shape(family)
+    ring = 2 * warps * 2 * 16 * row  # 2 stages x warps x (K, V) x 16 tokens
     smem_kb = max(MMA_SMEM_KB, -(-(ring + PAGE_WINDOW_BYTES) // 1024))
-    ctas = MMA_FP8_RESIDENT_CTAS if fp8 and head_dim <= 128 else MMA_MIN_BLOCKS
+    ctas = MMA_FP8_RESIDENT_CTAS if fp8 and head_dim <= 128 else min_blocks
     return MmaTraits(smem_kb, min(ctas, SM_SMEM_KB // (smem_kb + 1)))
 
 
-def resident_ctas(variant_name: str, head_dim: int, heads: int, core: str) -> int:
+def cta_shape(family: str) -> tuple[int, int]:
+    """(warps per tensor-core CTA, its ``__launch_bounds__`` CTAs per SM) of a
+    partial-kernel family: :data:`WIDE_ROWS_SHAPE` for rows8, else
+    ``MMA_WARPS`` and ``MMA_MIN_BLOCKS``."""
+    return WIDE_ROWS_SHAPE if family == "rows8" else (MMA_WARPS, MMA_MIN_BLOCKS)
+
+
+def wide_rows(dtype: str, head_dim: int) -> bool:
+    """Whether family rows8 has instances for a module variant: 16-bit KV at
+    head_dim 128 (where plans weigh one CTA per SM and it was measured), and
+    only the default CTA shape (env overrides of it are experiments: one
+    shape for every module)."""
+    return (dtype in ("float16", "bfloat16") and head_dim == 128
+            and (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2))
+
+
+def rows_family(dtype: str, head_dim: int, core: str, ctas_per_sm: int) -> str:
+    """The family that launches a row-group plan: rows8 when the plan holds
+    one CTA per SM and rows8 serves it on ``core``, else rows.
+
+    >>> rows_family("float16", 128, "mma", 1), rows_family("float16", 128, "mma", 2)
+    ('rows8', 'rows')
+    >>> rows_family("float16", 64, "mma", 1), rows_family("float16", 128, "simt", 1)
+    ('rows', 'rows')
+    """
+    return "rows8" if ctas_per_sm == 1 and core == "mma" and wide_rows(dtype, head_dim) else "rows"
+
+
+def resident_ctas(variant_name: str, head_dim: int, heads: int, core: str, family: str = "partial") -> int:
     """CTAs per SM the planner counts for a partial-kernel instance (its
     ``__launch_bounds__`` minimum): :func:`mma_traits` for the tensor cores,
     3 (``heads`` <= 4) or 1 (``MinBlocks`` in attend.cuh) for the CUDA cores."""
     if core == "mma":
-        return mma_traits(variant_name, head_dim).resident_ctas
+        return mma_traits(variant_name, head_dim, family).resident_ctas
     return 3 if heads <= 4 else 1
 
 
-def dynamic_smem(core: str, variant_name: str, head_dim: int) -> int:
+def dynamic_smem(core: str, variant_name: str, head_dim: int, family: str = "partial") -> int:
     """Bytes of dynamic shared memory a partial-kernel CTA of ``core`` takes."""
-    return mma_traits(variant_name, head_dim).smem_kb * 1024 if core == "mma" else 0
+    return mma_traits(variant_name, head_dim, family).smem_kb * 1024 if core == "mma" else 0
 
 
-def nvrtc_defines(smem_kb: int | None = None, pdl: bool = PDL) -> tuple[str, ...]:
+def nvrtc_defines(smem_kb: int | None = None, pdl: bool = PDL, shape: tuple[int, int] | None = None) -> tuple[str, ...]:
     """Preprocessor options that must match the launch parameters above
     (``smem_kb``: a module's MMA shared memory, default ``MMA_SMEM_KB``;
-    ``pdl``: its launches may use programmatic dependent launch)."""
-    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB if smem_kb is None else smem_kb}", f"-DCUPAGED_MMA_WARPS={MMA_WARPS}",
-            f"-DCUPAGED_MMA_MIN_BLOCKS={MMA_MIN_BLOCKS}", *(("-DCUPAGED_PDL=1",) if pdl else ()))
+    ``pdl``: its launches may use programmatic dependent launch; ``shape``:
+    its :func:`cta_shape`, default ``MMA_WARPS``, ``MMA_MIN_BLOCKS``)."""
+    warps, min_blocks = shape or (MMA_WARPS, MMA_MIN_BLOCKS)
+    return (f"-DCUPAGED_MMA_SMEM_KB={MMA_SMEM_KB if smem_kb is None else smem_kb}", f"-DCUPAGED_MMA_WARPS={warps}",
+            f"-DCUPAGED_MMA_MIN_BLOCKS={min_blocks}", *(("-DCUPAGED_PDL=1",) if pdl else ()))
 
 
 def module_pdl(family: str, dtype: str, head_dim: int) -> bool:
@@ -320,19 +364,21 @@ def module_smem_kb(family: str, dtype: str, head_dim: int) -> int:
     """The MMA shared memory a module is compiled for: its tensor-core
     instances' :func:`mma_traits` (``MMA_SMEM_KB`` for a module without)."""
     if family in PARTIAL_FAMILIES and serves("mma", dtype, head_dim):
-        return mma_traits(dtype, head_dim).smem_kb
+        return mma_traits(dtype, head_dim, family).smem_kb
     return MMA_SMEM_KB
 
 
 def partial_instance(dtype: str, head_dim: int, heads_per_cta: int, core: str,
                      family: str = "partial") -> tuple[int, int]:
     """(index into name_expressions(family, dtype, ...), threads per CTA) of
-    one instance of the partial kernel (``family`` "partial", or "rows" for
-    plans with row groups); ``dtype`` is a module variant."""
+    one instance of the partial kernel (``family`` "partial", or "rows" /
+    "rows8" for plans with row groups: :func:`rows_family`); ``dtype`` is a
+    module variant."""
     if not serves(core, dtype, head_dim):
         raise ValueError(f"core {core!r} does not serve {dtype} with head_dim {head_dim}")
     name = f"cupaged::{PARTIAL_FAMILIES[family]}<{_storage(dtype)}, {head_dim}, {heads_per_cta}, {CORES[core][0]}>"
-    return name_expressions(family, dtype, head_dim).index(name), CORES[core][1]
+    threads = 32 * cta_shape(family)[0] if core == "mma" else CORES[core][1]
+    return name_expressions(family, dtype, head_dim).index(name), threads
 
 
 def mma_cols(dtype: str, head_dim: int) -> bool:
@@ -376,8 +422,9 @@ def tokens_per_warp(dtype: str, head_dim: int, heads_per_cta: int, core: str) ->
 def all_modules() -> list[tuple[str, str, int]]:
     """Every (family, dtype, head_dim) module the library can compile (the
     partial family also over its mixed q/KV variants)."""
-    mods = ([(f, d, h) for f in SOURCES if f != "append" for d in DTYPES for h in HEAD_DIMS]
+    mods = ([(f, d, h) for f in SOURCES if f not in ("append", "rows8") for d in DTYPES for h in HEAD_DIMS]
+            + [("rows8", d, h) for d in DTYPES for h in HEAD_DIMS if wide_rows(d, h)]
             + [("append", d, APPEND_ANY_HEAD_DIM) for d in APPEND_DTYPES])
     mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if is_fp8(d)})
-    return mods + [(f, d, h) for f in PARTIAL_FAMILIES for d in mixed for h in HEAD_DIMS
+    return mods + [(f, d, h) for f in PARTIAL_FAMILIES if f != "rows8" for d in mixed for h in HEAD_DIMS
                    if any(serves(c, d, h) for c in CORES)]

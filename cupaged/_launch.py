@@ -257,12 +257,12 @@ class PartialLaunch:
         self.heads_groups = num_kv_heads * q_groups
         self.max_batch, self.max_units, self.max_pages = max_batch, max_units, max_pages
         self.core = _configs.choose_core(variant, head_dim, _env.core())
-        # family "rows" (plans with row groups) or "partial" (the others)
+        # family "rows" / "rows8" (plans with row groups: _configs.rows_family) or "partial" (the others)
         index, threads = _configs.partial_instance(variant, head_dim, heads_per_cta, self.core, family)
         self.family = family
         self.kernel = _loader.get_kernel(family, variant, head_dim, index)
         self.function = self.kernel.kernel.ptr  # CUfunction on this device (compiles on first use)
-        self.smem = _configs.dynamic_smem(self.core, variant, head_dim)
+        self.smem = _configs.dynamic_smem(self.core, variant, head_dim, family)
         limit = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES  # opt-in: static + dynamic may exceed 48 KB
         if self.smem > driver.funcGetAttribute(limit, self.function):  # (never lowered: another state's may be higher)
             driver.funcSetAttribute(self.function, limit, self.smem)
@@ -272,7 +272,7 @@ class PartialLaunch:
         # the grid's CTAs per SM: at most the planner's count, and no more than spreads the grid evenly
         self._sms = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, self.device)
         table = residency_smem(self.function, threads, self.smem) if self.pdl else (self.smem,)
-        self._smem_at = table[:_configs.resident_ctas(variant, head_dim, heads_per_cta, self.core) + 1]
+        self._smem_at = table[:_configs.resident_ctas(variant, head_dim, heads_per_cta, self.core, family) + 1]
         self._alloc(max_batch, max_units, max_pages, num_qo_heads)
         p = self.params = PartialParams()
         p.heads_groups, p.page_size, p.num_qo_heads, p.group_size, p.q_groups = (

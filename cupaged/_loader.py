@@ -43,10 +43,12 @@ OPTIONS = ("-std=c++17", f"-I{SRC_DIR}", *_configs.nvrtc_defines())  # (a module
 
 def module_options(family: str, dtype: str, head_dim: int) -> tuple[str, ...]:
     """NVRTC options of one module: ``OPTIONS`` with its MMA shared memory
-    (:func:`cupaged._configs.module_smem_kb`, what its launches pass) and
-    programmatic dependent launch where :func:`cupaged._configs.module_pdl`."""
+    (:func:`cupaged._configs.module_smem_kb`, what its launches pass), its
+    CTA shape (:func:`cupaged._configs.cta_shape`) and programmatic
+    dependent launch where :func:`cupaged._configs.module_pdl`."""
     return (*OPTIONS[:2], *_configs.nvrtc_defines(_configs.module_smem_kb(family, dtype, head_dim),
-                                                  _configs.module_pdl(family, dtype, head_dim)))
+                                                  _configs.module_pdl(family, dtype, head_dim),
+                                                  _configs.cta_shape(family)))
 
 
 @functools.lru_cache(maxsize=None)

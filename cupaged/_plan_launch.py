@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from . import _env, _launch
+from . import _configs, _env, _launch
 from .page_table import PageTable
 from .plan import DecodePlan
 
@@ -27,9 +27,10 @@ class PlanLaunch(_launch.PartialLaunch):
 
     def __init__(self, plan: DecodePlan, dtype: str, table: PageTable, stream_ptr: int):
         pages = max(int(table.indptr[-1]), 1)
+        family = "partial" if plan.group_last is None else _configs.rows_family(
+            dtype, plan.head_dim, _configs.choose_core(dtype, plan.head_dim, _env.core()), plan.ctas_per_sm)
         super().__init__(dtype, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.heads_per_cta,
-                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4,
-                         "partial" if plan.group_last is None else "rows")
+                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4, family)
         self.plan_units = _launch.plan_units(plan)
         self.stream_ptr = stream_ptr
         self.checked_table = None  # weakref to the last table that matched

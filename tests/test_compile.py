@@ -81,8 +81,8 @@ def test_module_compiles_without_spills(family, dtype, head_dim, compile_reports
         # A tensor-core instance must fit the CTAs per SM its plans count: fp8
         # counts 3 (MMA_FP8_RESIDENT_CTAS) without a __launch_bounds__ to hold
         # it there (registers are allocated 8 a thread).
-        ctas = _configs.mma_traits(dtype, head_dim).resident_ctas
-        limit = 65536 // (ctas * _configs.MMA_WARPS * 32) // 8 * 8
+        ctas = _configs.mma_traits(dtype, head_dim, family).resident_ctas
+        limit = 65536 // (ctas * _configs.cta_shape(family)[0] * 32) // 8 * 8
         for name, res in report.items():
             if "Core::MMA" in name:
                 assert res.registers <= limit, (name, res, f"{ctas} CTAs per SM allow {limit} registers")
@@ -185,3 +185,27 @@ def test_roofline_kernels_compile_for_sm90_without_spills():
         assert f"Compiling entry function '{name}' for 'sm_90'" in log
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert len(frames) == 3 and all(f == ("0", "0", "0") for f in frames), log
+
+
+def test_eight_warp_rows_family_compiles_its_shape_and_launches_it():
+    """Family rows8 (row-group plans held to one CTA per SM) exists for 16-bit
+    head_dim 128 only, with tensor-core instances only; its module is
+    compiled for 8 warps and 1 CTA per SM with a 2-stage ring of 8 warps, and
+    the launch passes the same shared memory and 256 threads."""
+    wide = sorted((d, h) for f, d, h in MODULES if f == "rows8")
+    assert wide == [("bfloat16", 128), ("float16", 128)]
+    for dtype in ("float16", "bfloat16"):
+        names = _configs.name_expressions("rows8", dtype, 128)
+        assert len(names) == len(_configs.HEADS_PER_CTA) and all("Core::MMA" in n for n in names)
+        smem_kb = _configs.mma_traits(dtype, 128, "rows8").smem_kb
+        assert smem_kb * 1024 >= 2 * 8 * 2 * 16 * 256 + _configs.PAGE_WINDOW_BYTES  # two stages of 8 warps
+        opts = _loader.module_options("rows8", dtype, 128)
+        assert {f"-DCUPAGED_MMA_SMEM_KB={smem_kb}", "-DCUPAGED_MMA_WARPS=8", "-DCUPAGED_MMA_MIN_BLOCKS=1"} <= set(opts)
+        assert _configs.dynamic_smem("mma", dtype, 128, "rows8") == smem_kb * 1024
+        assert _configs.partial_instance(dtype, 128, 4, "mma", "rows8") == (names.index(
+            f"cupaged::paged_decode_rows<{_configs._storage(dtype)}, 128, 4, cupaged::Core::MMA>"), 256)
+        assert _configs.resident_ctas(dtype, 128, 4, "mma", "rows8") == 1
+    assert _configs.name_expressions("rows8", "float16", 64) == []
+    assert _configs.name_expressions("rows8", "float16+float8_e4m3fn", 128) == []
+    assert _loader.module_options("rows", "float16", 128) == _loader.OPTIONS  # the 4-warp family as before
+    assert _configs.partial_instance("float16", 128, 4, "mma", "rows")[1] == 32 * _configs.MMA_WARPS

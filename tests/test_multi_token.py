@@ -348,6 +348,36 @@ def test_warp_pairs_match_reference(hq, hkv, d, dtype, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("hq,dtype", [(32, F16), (64, BF16), (8, F16)], ids=str)  # 4, 8 and 1 heads per CTA
+def test_eight_warp_row_groups_match_reference(hq, dtype, monkeypatch):
+    """Row-group plans held to one CTA per SM launch family rows8 (8-warp
+    CTAs, 16-bit head_dim 128; _configs.rows_family): merged (one page per
+    chunk), the default split and unsplit, one warp's groups and warp pairs
+    (PAIR_MAX_CHUNKS lifted), with sinks, against the float64 reference; a
+    plan of 2 per SM keeps family rows."""
+    from cupaged._plan_launch import plan_states
+
+    cp = _cp()
+    monkeypatch.setattr(plan_mod, "PAIR_MAX_CHUNKS", 1 << 30)
+    monkeypatch.setattr(plan_mod, "_pairs_underfill", lambda *args: False)
+    b = make_batch(340, [*RAGGED_LENS, 2500, 33], num_qo_heads=hq, dtype=dtype)
+    ptr = _multi(b, 341)
+    sinks = np.random.default_rng(342).uniform(-1, 3, hq).astype(np.float32)
+    want = b.reference(qo_indptr=ptr)
+    want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
+    for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 4096}):
+        two = b.plan(qo_indptr=ptr, group_tokens=True, **knobs)
+        plan = dataclasses.replace(two, ctas_per_sm=1)
+        assert plan.group_last is not None
+        check(run("v2", b, plan, qo_indptr=ptr), want, dtype)
+        check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), want_sinks, dtype)
+        assert [s.family for s in plan_states(plan).values()] == ["rows8"]
+        if two.ctas_per_sm == 2:
+            check(run("v2", b, two, qo_indptr=ptr), want, dtype)
+            assert [s.family for s in plan_states(two).values()] == ["rows"]
+
+
+@gpu
 @pytest.mark.parametrize("kv", ["same", "fp8"])
 def test_row_group_merge_of_many_chunks(kv):
     """The fused merge of row groups split into a thousand chunks and more:
