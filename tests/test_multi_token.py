@@ -257,6 +257,14 @@ def _multi(b, seed, max_q=16):
     return ptr
 
 
+def _multi_refs(b, seed):
+    """:func:`_multi` (``seed``) and random sinks (``seed + 1``) with the
+    float64 references without and with them: ``(ptr, sinks, want, want_sinks)``."""
+    ptr = _multi(b, seed)
+    sinks = np.random.default_rng(seed + 1).uniform(-1, 3, b.num_qo_heads).astype(np.float32)
+    return ptr, sinks, b.reference(qo_indptr=ptr), b.reference(qo_indptr=ptr, sinks=sinks)
+
+
 @gpu
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=str)
 @pytest.mark.parametrize("kv", ["same", "fp8"])
@@ -300,10 +308,7 @@ def test_row_groups_match_reference(hq, hkv, d, dtype, kv, monkeypatch):
     cp = _cp()
     b = make_batch(310, [*RAGGED_LENS, 3000, 17], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
                    kv_dtype=FP8 if kv == "fp8" else None, scale_mode="head" if kv == "fp8" else "none")
-    ptr = _multi(b, 311)
-    sinks = np.random.default_rng(312).uniform(-1, 3, hq).astype(np.float32)
-    want = b.reference(qo_indptr=ptr)
-    want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
+    ptr, sinks, want, want_sinks = _multi_refs(b, 311)
     for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 3}):
         plan = b.plan(qo_indptr=ptr, group_tokens=True, **knobs)
         assert plan.group_last is not None and plan.num_units < plan.num_chunks
@@ -334,10 +339,7 @@ def test_warp_pairs_match_reference(hq, hkv, d, dtype, monkeypatch):
     monkeypatch.setattr(plan_mod, "_pairs_underfill", lambda *args: False)
     b = make_batch(330, [*RAGGED_LENS, 2000, 40], num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, dtype=dtype,
                    page_size=16 if d != 80 else 4)
-    ptr = _multi(b, 331)
-    sinks = np.random.default_rng(332).uniform(-1, 3, hq).astype(np.float32)
-    want = b.reference(qo_indptr=ptr)
-    want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
+    ptr, sinks, want, want_sinks = _multi_refs(b, 331)
     single = 16 // (hq // hkv)
     for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 4096}):
         plan = b.plan(qo_indptr=ptr, group_tokens=True, **knobs)
@@ -361,10 +363,7 @@ def test_eight_warp_row_groups_match_reference(hq, dtype, monkeypatch):
     monkeypatch.setattr(plan_mod, "PAIR_MAX_CHUNKS", 1 << 30)
     monkeypatch.setattr(plan_mod, "_pairs_underfill", lambda *args: False)
     b = make_batch(340, [*RAGGED_LENS, 2500, 33], num_qo_heads=hq, dtype=dtype)
-    ptr = _multi(b, 341)
-    sinks = np.random.default_rng(342).uniform(-1, 3, hq).astype(np.float32)
-    want = b.reference(qo_indptr=ptr)
-    want_sinks = b.reference(qo_indptr=ptr, sinks=sinks)
+    ptr, sinks, want, want_sinks = _multi_refs(b, 341)
     for knobs in ({"pages_per_chunk": 1}, {}, {"pages_per_chunk": 4096}):
         two = b.plan(qo_indptr=ptr, group_tokens=True, **knobs)
         plan = dataclasses.replace(two, ctas_per_sm=1)
