@@ -74,13 +74,16 @@ MMA_SMEM_KB: int = _env.mma_smem_kb()
 # (2 vs 4 stages made no difference; scripts/autotune.py, 2026-11-29).
 MMA_WARPS: int = _env.mma_warps()  # 1..32; a bad value fails the import, naming the variable
 MMA_MIN_BLOCKS: int = _env.mma_min_blocks()
+# Whether the CTA shape is the default one, the shape every measured count below
+# comes from (an env override is an experiment: one shape for every module).
+DEFAULT_CTA_SHAPE: bool = (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2)
 # The fp8 tensor-core instances use 136-142 registers (16-bit: 174), so 3 CTAs
 # fit per SM, which the planner must count (the driver's occupancy query on
 # the H200, scripts/occupancy.py; docs/benchmarks/occupancy-h200-2026-12-01.csv).
 # Measured for the default CTA shape only: any override keeps the bound.
 # (The head_dim-64 16-bit and float32 CUDA-core instances fit more than their
 # bound too; their plans were not re-measured, so they keep it.)
-MMA_FP8_RESIDENT_CTAS: int = 3 if (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2) else MMA_MIN_BLOCKS
+MMA_FP8_RESIDENT_CTAS: int = 3 if DEFAULT_CTA_SHAPE else MMA_MIN_BLOCKS
 # (that count holds up to head_dim 128; at 192 the fp8 instances take ~200
 # registers: mma_traits)
 
@@ -306,11 +309,9 @@ def cta_shape(family: str) -> tuple[int, int]:
 
 def wide_rows(dtype: str, head_dim: int) -> bool:
     """Whether family rows8 has instances for a module variant: 16-bit KV at
-    head_dim 128 (where plans weigh one CTA per SM and it was measured), and
-    only the default CTA shape (env overrides of it are experiments: one
-    shape for every module)."""
-    return (dtype in ("float16", "bfloat16") and head_dim == 128
-            and (MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS) == (72, 4, 2))
+    head_dim 128 (where plans weigh one CTA per SM and it was measured), at
+    the default CTA shape (:data:`DEFAULT_CTA_SHAPE`)."""
+    return DEFAULT_CTA_SHAPE and dtype in ("float16", "bfloat16") and head_dim == 128
 
 
 def rows_family(dtype: str, head_dim: int, core: str, ctas_per_sm: int) -> str:
@@ -422,9 +423,9 @@ def tokens_per_warp(dtype: str, head_dim: int, heads_per_cta: int, core: str) ->
 def all_modules() -> list[tuple[str, str, int]]:
     """Every (family, dtype, head_dim) module the library can compile (the
     partial family also over its mixed q/KV variants)."""
-    mods = ([(f, d, h) for f in SOURCES if f not in ("append", "rows8") for d in DTYPES for h in HEAD_DIMS]
-            + [("rows8", d, h) for d in DTYPES for h in HEAD_DIMS if wide_rows(d, h)]
+    mods = ([(f, d, h) for f in SOURCES if f != "append" for d in DTYPES for h in HEAD_DIMS]
             + [("append", d, APPEND_ANY_HEAD_DIM) for d in APPEND_DTYPES])
     mixed = sorted({d for _, _, dtypes, _ in CORES.values() for d in dtypes if is_fp8(d)})
-    return mods + [(f, d, h) for f in PARTIAL_FAMILIES if f != "rows8" for d in mixed for h in HEAD_DIMS
-                   if any(serves(c, d, h) for c in CORES)]
+    mods += [(f, d, h) for f in PARTIAL_FAMILIES for d in mixed for h in HEAD_DIMS
+             if any(serves(c, d, h) for c in CORES)]
+    return [m for m in mods if m[0] != "rows8" or wide_rows(m[1], m[2])]  # (rows8: wide_rows only)
