@@ -74,6 +74,13 @@ MAX_GRID_X = 2**31 - 1
 #: than this: then its last CTA's merge of twice the rows outlasts the saving
 #: (H200, docs/architecture.md "Warp pairs for q_len 8").
 PAIR_MAX_CHUNKS = 4
+#: ... except on 8-warp CTAs (family rows8: a default plan held to one CTA
+#: per SM): a step whose requests hold at least PAIR_WIDE_MIN_BYTES of KV in
+#: chunks of at least PAIR_WIDE_CHUNK_TOKENS keeps its warp pairs at any
+#: chunk count on a grid of at least half the SMs (H200,
+#: docs/architecture.md "Eight warps for one-per-SM row groups").
+PAIR_WIDE_CHUNK_TOKENS = 1024
+PAIR_WIDE_MIN_BYTES = 48 << 20
 #: A default multi-token plan (``group_tokens=None``) of a 16-bit cache runs
 #: one row per query token, without row groups, when its rows read at most
 #: this many KV bytes in all (each row its own visible pages, all kv heads):
@@ -828,12 +835,11 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     row_pages = pages
     if group_last is not None:
         pages = row_pages[group_last]  # a row splits as its group's last row
-    # (warp pairs at the kernel's CTAs per SM only: a small grid of pairs ran up to 15 % slower held to one per
-    # SM, H200 chunk sweeps, docs/architecture.md "One CTA per SM")
-    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
-        pages, group_last, *knobs, not paired)
-    if paired and (int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
-                   or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
+    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
+    if paired and not _wide_pairs(held, kv_dt, d, longest_chunk * page_size, units * grid_y, sms,
+                                  _requests_bytes(row_pages, ptr, page_size, hkv, d, kv_dt)) and (
+            int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
+            or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
         # twice the rows, which outlasts the pairs' saving once a group has
         # many chunks (a small step): then groups of one warp's rows. So too
@@ -894,6 +900,25 @@ def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None
     if deterministic or pages_per_chunk is not None or max_pages_per_chunk is not None:
         return False
     return sms is not None and ctas < sms
+
+
+def _wide_pairs(held: int, kv_dt: np.dtype, d: int, chunk_tokens: int, ctas: int, sms: int | None,
+                kv_bytes: int) -> bool:
+    """Whether a default plan's warp pairs run on 8-warp CTAs (held to one
+    per SM: family rows8) over requests of at least
+    :data:`PAIR_WIDE_MIN_BYTES` of KV (``kv_bytes``) in chunks of at least :data:`PAIR_WIDE_CHUNK_TOKENS`, on
+    at least half the SMs: there reading each chunk's K/V once for twice the
+    rows outweighs the last CTA's merge of twice the rows at any chunk
+    count."""
+    return (held == 1 and sms is not None and 2 * ctas >= sms and chunk_tokens >= PAIR_WIDE_CHUNK_TOKENS
+            and kv_bytes >= PAIR_WIDE_MIN_BYTES and _configs.wide_rows(kv_dt.name, d))
+
+
+def _requests_bytes(row_pages: np.ndarray, ptr: np.ndarray, page_size: int, hkv: int, d: int,
+                    kv_dt: np.dtype) -> int:
+    """KV bytes the requests hold (each its last query row's pages; all kv heads)."""
+    last = ptr[1:][ptr[1:] > ptr[:-1]] - 1
+    return int(np.add.reduce(row_pages[last], dtype=np.int64)) * page_size * 2 * d * kv_dt.itemsize * hkv
 
 
 def _knobs(deterministic: Any, group_tokens: Any, pages_per_chunk: Any, max_pages_per_chunk: Any,
@@ -1013,15 +1038,13 @@ def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None,
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
               deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-              target: int, sms: int | None, rows: bool = False,
-              fewer: bool = True) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
+              target: int, sms: int | None, rows: bool = False) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
     """``(target_ctas, chunk_pages, chunks, units, longest, ctas_per_sm)`` of
     :func:`plan_decode` (its arguments already checked): the CTA target,
     each request's chunk size and count (in the dtype of ``pages``), the
     chunk count in all, the largest chunk size and the CTAs per SM the
     launches hold to. ``rows``: some CTA holds several query tokens' rows
-    (the step model's multi-token constants); ``fewer``: the default plan
-    may weigh fewer CTAs per SM than the kernel's count. ``(target, sms)``
+    (the step model's multi-token constants). ``(target, sms)``
     is :func:`_target_and_sms`'s, resolved once by the caller."""
     held = ctas_per_sm(dt, kv_dt, d, hpc)
     longest_request = None
@@ -1036,7 +1059,8 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     else:
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
-            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows, fewer, d)
+            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows,
+            head_dim=d)
         c = None
     if c is None:
         return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)

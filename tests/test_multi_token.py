@@ -229,6 +229,33 @@ def test_small_grids_of_warp_pairs_fall_back_to_one_warp_groups():
         assert sizes(cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, **kw)) == {8}, kw
 
 
+def test_large_steps_keep_warp_pairs_on_eight_warps():
+    """A default plan held to one CTA per SM (family rows8) keeps its warp
+    pairs past PAIR_MAX_CHUNKS and on a grid just short of the SMs where
+    the requests hold at least PAIR_WIDE_MIN_BYTES of 16-bit KV at head_dim
+    128 in chunks of at least PAIR_WIDE_CHUNK_TOKENS; smaller steps, other
+    head dims, fp8 and 2 per SM keep the fallback to one warp's groups."""
+    sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
+
+    def plan(lens, q_len, dtype=np.float16, d=128, **kw):
+        table = cupaged.PageTable.from_seq_lens(lens, page_size=16)
+        ptr = np.arange(len(lens) + 1, dtype=np.int32) * q_len
+        return cupaged.plan_decode(table, 32, 8, d, dtype, qo_indptr=ptr, **{"num_sms": 132, **kw})
+
+    for lens, q_len in (([32768], 8), ([32768], 5), ([16384], 6), ([8192] * 2, 8), ([1024] * 16, 8)):
+        assert 2 * sum(lens) * 8 * 128 * 2 >= plan_mod.PAIR_WIDE_MIN_BYTES
+        for dtype in (np.float16, BF16):
+            p = plan(lens, q_len, dtype)
+            assert sizes(p) == {q_len} and p.ctas_per_sm == 1 and 2 * p.num_ctas >= 132, (lens, q_len)
+            assert p.pages_per_chunk * 16 >= plan_mod.PAIR_WIDE_CHUNK_TOKENS
+    assert int(plan([32768], 8).request_chunks.max()) > plan_mod.PAIR_MAX_CHUNKS
+    assert sizes(plan([8192], 8)) == {4}        # 32 MiB of KV
+    assert sizes(plan([16384], 8, d=64)) == {4}  # (rows8 has no head_dim 64: 2 per SM)
+    assert sizes(plan([32768], 8, num_sms=300)) == {4}  # a grid of fewer than half the SMs
+    fp8 = plan([32768], 8, kv_dtype=np.uint8)
+    assert fp8.group_last is not None and max(sizes(fp8)) <= 4
+
+
 def test_hot_path_argument_test_compares_arrays_by_identity():
     """decode's hot path compares its keyword arguments with the recorded
     call's: numbers by value, arrays by identity (never elementwise: a new
@@ -374,6 +401,27 @@ def test_eight_warp_row_groups_match_reference(hq, dtype, monkeypatch):
         if two.ctas_per_sm == 2:
             check(run("v2", b, two, qo_indptr=ptr), want, dtype)
             assert [s.family for s in plan_states(two).values()] == ["rows"]
+
+
+@gpu
+def test_default_wide_pairs_match_reference():
+    """The default plan of a long request's 5 query tokens (warp pairs of 20
+    rows on 8-warp CTAs, 16 chunks, one CTA per SM) against the float64
+    reference, with sinks."""
+    from cupaged._plan_launch import plan_states
+
+    cp = _cp()
+    b = make_batch(350, [32768], dtype=F16, mid_page=False)
+    ptr = np.array([0, 5], np.int32)
+    q = make_query(np.random.default_rng(351), 5, b.num_qo_heads, b.head_dim, b.dtype)
+    b.q, b.host = cp.asarray(q), (q, *b.host[1:])
+    sinks = np.random.default_rng(352).uniform(-1, 3, b.num_qo_heads).astype(np.float32)
+    plan = b.plan(qo_indptr=ptr, num_sms=132)
+    assert plan.ctas_per_sm == 1 and int(np.bincount(plan.group_last).max()) == 5
+    assert int(plan.request_chunks.max()) > plan_mod.PAIR_MAX_CHUNKS
+    check(run("v2", b, plan, qo_indptr=ptr), b.reference(qo_indptr=ptr), F16)
+    check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), b.reference(qo_indptr=ptr, sinks=sinks), F16)
+    assert [s.family for s in plan_states(plan).values()] == ["rows8"]
 
 
 @gpu
