@@ -78,7 +78,7 @@ PAIR_MAX_CHUNKS = 4
 #: per SM): a step whose requests hold at least PAIR_WIDE_MIN_BYTES of KV in
 #: chunks of at least PAIR_WIDE_CHUNK_TOKENS keeps its warp pairs at any
 #: chunk count on a grid of at least half the SMs (H200,
-#: docs/architecture.md "Eight warps for one-per-SM row groups").
+#: docs/architecture.md "Warp pairs on eight warps").
 PAIR_WIDE_CHUNK_TOKENS = 1024
 PAIR_WIDE_MIN_BYTES = 48 << 20
 #: A default multi-token plan (``group_tokens=None``) of a 16-bit cache runs
@@ -836,8 +836,8 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     if group_last is not None:
         pages = row_pages[group_last]  # a row splits as its group's last row
     target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
-    if paired and not _wide_pairs(held, kv_dt, d, longest_chunk * page_size, units * grid_y, sms,
-                                  _requests_bytes(row_pages, ptr, page_size, hkv, d, kv_dt)) and (
+    if paired and not _wide_pairs(held, kv_dt, d, page_size, longest_chunk, units * grid_y, sms, row_pages, ptr,
+                                  hkv) and (
             int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
             or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
@@ -902,23 +902,21 @@ def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None
     return sms is not None and ctas < sms
 
 
-def _wide_pairs(held: int, kv_dt: np.dtype, d: int, chunk_tokens: int, ctas: int, sms: int | None,
-                kv_bytes: int) -> bool:
+def _wide_pairs(held: int, kv_dt: np.dtype, d: int, page_size: int, chunk_pages: int, ctas: int, sms: int | None,
+                row_pages: np.ndarray, ptr: np.ndarray, hkv: int) -> bool:
     """Whether a default plan's warp pairs run on 8-warp CTAs (held to one
-    per SM: family rows8) over requests of at least
-    :data:`PAIR_WIDE_MIN_BYTES` of KV (``kv_bytes``) in chunks of at least :data:`PAIR_WIDE_CHUNK_TOKENS`, on
-    at least half the SMs: there reading each chunk's K/V once for twice the
-    rows outweighs the last CTA's merge of twice the rows at any chunk
-    count."""
-    return (held == 1 and sms is not None and 2 * ctas >= sms and chunk_tokens >= PAIR_WIDE_CHUNK_TOKENS
-            and kv_bytes >= PAIR_WIDE_MIN_BYTES and _configs.wide_rows(kv_dt.name, d))
-
-
-def _requests_bytes(row_pages: np.ndarray, ptr: np.ndarray, page_size: int, hkv: int, d: int,
-                    kv_dt: np.dtype) -> int:
-    """KV bytes the requests hold (each its last query row's pages; all kv heads)."""
+    per SM: family rows8) in chunks (the longest: ``chunk_pages``) of at
+    least :data:`PAIR_WIDE_CHUNK_TOKENS` on at least half the SMs, over requests
+    holding at least :data:`PAIR_WIDE_MIN_BYTES` of KV (each request's pages,
+    its last query row's, once; all kv heads): there reading each chunk's
+    K/V once for twice the rows outweighs the last CTA's merge of twice the
+    rows at any chunk count."""
+    if not (held == 1 and sms is not None and 2 * ctas >= sms and chunk_pages * page_size >= PAIR_WIDE_CHUNK_TOKENS
+            and _configs.wide_rows(kv_dt.name, d)):
+        return False
     last = ptr[1:][ptr[1:] > ptr[:-1]] - 1
-    return int(np.add.reduce(row_pages[last], dtype=np.int64)) * page_size * 2 * d * kv_dt.itemsize * hkv
+    page_bytes = page_size * 2 * d * kv_dt.itemsize * hkv
+    return int(np.add.reduce(row_pages[last], dtype=np.int64)) * page_bytes >= PAIR_WIDE_MIN_BYTES
 
 
 def _knobs(deterministic: Any, group_tokens: Any, pages_per_chunk: Any, max_pages_per_chunk: Any,
