@@ -799,6 +799,23 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
         ...
     cupaged.errors.InvalidArgumentError: head_dim must be a positive multiple of 8, got 100
     """
+    return _plan_decode(table, num_qo_heads, num_kv_heads, head_dim, dtype, kv_dtype=kv_dtype,
+                        deterministic=deterministic, pages_per_chunk=pages_per_chunk,
+                        max_pages_per_chunk=max_pages_per_chunk, target_ctas=target_ctas, num_sms=num_sms,
+                        window_left=window_left, qo_indptr=qo_indptr, group_tokens=group_tokens)
+
+
+def _plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int, head_dim: int, dtype: Any, *,
+                 kv_dtype: Any = None, deterministic: bool = False, pages_per_chunk: int | None = None,
+                 max_pages_per_chunk: int | None = None, target_ctas: int | None = None, num_sms: int | None = None,
+                 window_left: Any = None, qo_indptr: Any = None, group_tokens: bool | None = None,
+                 eight_warps: bool = True) -> DecodePlan:
+    """:func:`plan_decode`, for the kernels ``decode`` picks per plan
+    (``eight_warps``: row-group plans held to one CTA per SM run on 8-warp
+    CTAs, family rows8) or, without, for a fixed 4-warp rows kernel
+    (:class:`~cupaged.DecodeRunner`'s captured one): there warp-pair plans
+    keep the kernel's CTAs per SM and the pairs' chunk limit, as measured on
+    4 warps (docs/architecture.md "Warp pairs on eight warps")."""
     hq = positive_int(num_qo_heads, "num_qo_heads")
     hkv = positive_int(num_kv_heads, "num_kv_heads")
     if hq % hkv:
@@ -835,9 +852,12 @@ def plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int,
     row_pages = pages
     if group_last is not None:
         pages = row_pages[group_last]  # a row splits as its group's last row
-    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(pages, group_last, *knobs)
-    if paired and not _wide_pairs(held, kv_dt, d, page_size, longest_chunk, units * grid_y, sms, row_pages, ptr,
-                                  hkv) and (
+    # (4-warp pairs weigh only the kernel's CTAs per SM: held to one per SM a small grid of them ran up to 15 %
+    # slower, H200 chunk sweeps, docs/architecture.md "One CTA per SM"; 8-warp ones faster)
+    target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
+        pages, group_last, *knobs, eight_warps or not paired)
+    if paired and not (eight_warps and _wide_pairs(held, kv_dt, d, page_size, longest_chunk, units * grid_y, sms,
+                                                   row_pages, ptr, hkv)) and (
             int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
             or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
@@ -1036,13 +1056,15 @@ def _grouped_chunking(pages: np.ndarray, group_last: np.ndarray | None,
 
 def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_dt: np.dtype, d: int, hpc: int,
               deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
-              target: int, sms: int | None, rows: bool = False) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
+              target: int, sms: int | None, rows: bool = False,
+              fewer: bool = True) -> tuple[int, np.ndarray, np.ndarray, int, int, int]:
     """``(target_ctas, chunk_pages, chunks, units, longest, ctas_per_sm)`` of
     :func:`plan_decode` (its arguments already checked): the CTA target,
     each request's chunk size and count (in the dtype of ``pages``), the
     chunk count in all, the largest chunk size and the CTAs per SM the
     launches hold to. ``rows``: some CTA holds several query tokens' rows
-    (the step model's multi-token constants). ``(target, sms)``
+    (the step model's multi-token constants); ``fewer``: the default plan
+    may weigh fewer CTAs per SM than the kernel's count. ``(target, sms)``
     is :func:`_target_and_sms`'s, resolved once by the caller."""
     held = ctas_per_sm(dt, kv_dt, d, hpc)
     longest_request = None
@@ -1058,7 +1080,7 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
             pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows,
-            head_dim=d)
+            fewer, d)
         c = None
     if c is None:
         return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)

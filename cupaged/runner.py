@@ -37,7 +37,7 @@ from ._arrays import as_cupy
 from .errors import (ArgumentTypeError, CapacityError, DeviceMismatchError, InvalidArgumentError, ShapeError,
                      UnsupportedConfigError)
 from .page_table import PageTable, kernel_table
-from .plan import DecodePlan, heads_per_cta, plan_decode
+from .plan import DecodePlan, _plan_decode, heads_per_cta, plan_decode
 
 __all__ = ["DecodeRunner"]
 
@@ -221,17 +221,18 @@ class DecodeRunner:
 
     def _plan(self, step: tuple, knobs: dict) -> DecodePlan:
         """plan_decode of the step ``(table, window_left, qo_indptr)`` (row
-        groups with ``group_tokens``) within ``max_units`` chunks."""
+        groups with ``group_tokens``) within ``max_units`` chunks, for the
+        runner's 4-warp rows kernel (no 8-warp plans: its kernel is captured)."""
         table, window_left, qo_indptr = step
         args = (table, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.dtype)
         kw = dict(kv_dtype=self.kv_dtype, window_left=window_left, qo_indptr=qo_indptr,
-                  group_tokens=self.group_tokens, **knobs)
-        plan = plan_decode(*args, **kw)
+                  group_tokens=self.group_tokens, eight_warps=False, **knobs)
+        plan = _plan_decode(*args, **kw)
         if plan.num_chunks > self.max_units:  # fewer, longer chunks: the smallest cap that fits
             kw = {k: v for k, v in kw.items() if k not in ("pages_per_chunk", "max_pages_per_chunk")}
             pages = kernel_table(table, qo_indptr, window_left).request_pages
             cap = cap_for_units(pages if plan.group_last is None else pages[plan.group_last], self.max_units)
-            plan = plan_decode(*args, max_pages_per_chunk=cap, **kw)
+            plan = _plan_decode(*args, max_pages_per_chunk=cap, **kw)
         return plan
 
     # ------------------------------------------------------------------- run

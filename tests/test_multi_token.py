@@ -256,6 +256,24 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
     assert fp8.group_last is not None and max(sizes(fp8)) <= 4
 
 
+def test_runner_plans_keep_four_warp_choices():
+    """DecodeRunner's captured rows kernel has 4 warps: its plans
+    (plan._plan_decode(..., eight_warps=False)) keep warp pairs at the
+    kernel's 2 CTAs per SM and within PAIR_MAX_CHUNKS, where decode's plans
+    take 8-warp CTAs (one per SM) and keep the pairs of a large step."""
+    sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
+    for lens, runner_held, runner_sizes, decode_held, decode_sizes in (
+            ([32768], 2, {4}, 1, {8}),    # a large step: wide pairs for decode only
+            ([1024] * 8, 2, {8}, 1, {4})):  # pairs at 2 per SM for the runner, one warp's groups at 1 for decode
+        table = cupaged.PageTable.from_seq_lens(lens, page_size=16)
+        kw = {"qo_indptr": np.arange(len(lens) + 1, dtype=np.int32) * 8, "num_sms": 132, "group_tokens": True}
+        runner = plan_mod._plan_decode(table, 32, 8, 128, np.float16, eight_warps=False, **kw)
+        plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, **kw)
+        assert (runner.ctas_per_sm, sizes(runner)) == (runner_held, runner_sizes), lens
+        assert (plan.ctas_per_sm, sizes(plan)) == (decode_held, decode_sizes), lens
+        assert int(runner.request_chunks.max()) <= plan_mod.PAIR_MAX_CHUNKS or runner_sizes == {4}
+
+
 def test_hot_path_argument_test_compares_arrays_by_identity():
     """decode's hot path compares its keyword arguments with the recorded
     call's: numbers by value, arrays by identity (never elementwise: a new
