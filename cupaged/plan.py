@@ -77,8 +77,8 @@ PAIR_MAX_CHUNKS = 4
 #: ... except on 8-warp CTAs (family rows8: a default plan held to one CTA
 #: per SM): a step whose requests hold at least PAIR_WIDE_MIN_BYTES of KV in
 #: chunks of at least PAIR_WIDE_CHUNK_TOKENS keeps its warp pairs at any
-#: chunk count on a grid of at least half the SMs (H200,
-#: docs/architecture.md "Warp pairs on eight warps").
+#: chunk count on a grid of at least half the SMs (H200, timed at 4 heads
+#: per CTA only; docs/architecture.md "Warp pairs on eight warps").
 PAIR_WIDE_CHUNK_TOKENS = 1024
 PAIR_WIDE_MIN_BYTES = 48 << 20
 #: A default multi-token plan (``group_tokens=None``) of a 16-bit cache runs
@@ -857,8 +857,8 @@ def _plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int, head_dim: int
     wide = eight_warps and _configs.wide_rows(kv_dt.name, d)  # 1 per SM launches rows8
     target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
         pages, group_last, *knobs, wide or not paired)
-    if paired and not (wide and _wide_pairs(held, page_size, longest_chunk, units * grid_y, sms, row_pages, ptr,
-                                            hkv * 2 * d * kv_dt.itemsize)) and (
+    if paired and not (wide and hpc == 4 and _wide_pairs(held, page_size, longest_chunk, units * grid_y, sms,
+                                                         row_pages, ptr, hkv * 2 * d * kv_dt.itemsize)) and (
             int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
             or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs

@@ -233,8 +233,9 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
     """A default plan held to one CTA per SM (family rows8) keeps its warp
     pairs past PAIR_MAX_CHUNKS and on a grid just short of the SMs where
     the requests hold at least PAIR_WIDE_MIN_BYTES of 16-bit KV at head_dim
-    128 in chunks of at least PAIR_WIDE_CHUNK_TOKENS; smaller steps, other
-    head dims, fp8 and 2 per SM keep the fallback to one warp's groups."""
+    128 and 4 heads per CTA in chunks of at least PAIR_WIDE_CHUNK_TOKENS;
+    smaller steps, other head dims, 8 heads per CTA, fp8 and 2 per SM keep
+    the fallback to one warp's groups."""
     sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
 
     def plan(lens, q_len, dtype=np.float16, d=128, **kw):
@@ -252,6 +253,9 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
     assert sizes(plan([8192], 8)) == {4}        # 32 MiB of KV
     assert sizes(plan([16384], 8, d=64)) == {4}  # (rows8 has no head_dim 64: 2 per SM)
     assert sizes(plan([32768], 8, num_sms=300)) == {4}  # a grid of fewer than half the SMs
+    hq64 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([32768], page_size=16), 64, 8, 128, np.float16,
+                               qo_indptr=np.array([0, 4], np.int32), num_sms=132)
+    assert sizes(hq64) == {2}  # 8 heads per CTA: pairs of 4 tokens, not timed past the limit
     fp8 = plan([32768], 8, kv_dtype=np.uint8)
     assert fp8.group_last is not None and max(sizes(fp8)) <= 4
 
