@@ -1079,8 +1079,7 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
     else:
         page_bytes = page_size * 2 * d * kv_dt.itemsize
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
-            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows,
-            fewer, d)
+            pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows, fewer, d)
         c = None
     if c is None:
         return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)
