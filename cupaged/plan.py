@@ -857,8 +857,8 @@ def _plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int, head_dim: int
     wide = eight_warps and _configs.wide_rows(kv_dt.name, d)  # 1 per SM launches rows8
     target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
         pages, group_last, *knobs, wide or not paired)
-    if paired and not (wide and hpc == 4 and _wide_pairs(held, page_size, longest_chunk, units * grid_y, sms,
-                                                         row_pages, ptr, hkv * 2 * d * kv_dt.itemsize)) and (
+    if paired and not (wide and _wide_pairs(held, hpc, page_size, longest_chunk, units * grid_y, sms, row_pages, ptr,
+                                            hkv * 2 * d * kv_dt.itemsize)) and (
             int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
             or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
@@ -923,17 +923,19 @@ def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None
     return sms is not None and ctas < sms
 
 
-def _wide_pairs(held: int, page_size: int, chunk_pages: int, ctas: int, sms: int | None, row_pages: np.ndarray,
-                ptr: np.ndarray, slot_bytes: int) -> bool:
+def _wide_pairs(held: int, hpc: int, page_size: int, chunk_pages: int, ctas: int, sms: int | None,
+                row_pages: np.ndarray, ptr: np.ndarray, slot_bytes: int) -> bool:
     """Whether a default plan's warp pairs, on 8-warp CTAs (held to one per
-    SM: family rows8), run in chunks (the longest: ``chunk_pages``) of at
-    least :data:`PAIR_WIDE_CHUNK_TOKENS` on at least half the SMs, over
+    SM: family rows8) at 4 heads per CTA (``hpc``; the only count timed),
+    run in chunks (the longest: ``chunk_pages``) of at least
+    :data:`PAIR_WIDE_CHUNK_TOKENS` on at least half the SMs, over
     requests holding at least :data:`PAIR_WIDE_MIN_BYTES` of KV (each
     request's pages, its last query row's, once; ``slot_bytes`` of K and V
     per token, all kv heads): there reading each chunk's K/V once for twice
     the rows outweighs the last CTA's merge of twice the rows at any chunk
     count."""
-    if not (held == 1 and sms is not None and 2 * ctas >= sms and chunk_pages * page_size >= PAIR_WIDE_CHUNK_TOKENS):
+    if not (held == 1 and hpc == 4 and sms is not None and 2 * ctas >= sms
+            and chunk_pages * page_size >= PAIR_WIDE_CHUNK_TOKENS):
         return False
     last = ptr[1:][ptr[1:] > ptr[:-1]] - 1
     return int(np.add.reduce(row_pages[last], dtype=np.int64)) * page_size * slot_bytes >= PAIR_WIDE_MIN_BYTES

@@ -215,18 +215,22 @@ def test_default_groups_only_steps_past_the_row_table_bound(q_len, batch, ctx, g
             is not None
 
 
+def _group_sizes(plan) -> set:
+    """The row-group sizes (tokens per group) of a plan."""
+    return set(np.bincount(plan.group_last)[plan.group_last].tolist())
+
+
 def test_small_grids_of_warp_pairs_fall_back_to_one_warp_groups():
     """A default plan of warp pairs with fewer CTAs than SMs forms one
     warp's groups instead (4 tokens at 4 heads per CTA, not 8); with a chunk
     knob, deterministic, or a grid that fills the SMs, the pairs stay."""
     table = cupaged.PageTable.from_seq_lens([512] * 4, page_size=16)
     ptr = np.arange(5, dtype=np.int32) * 8
-    sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
     plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, num_sms=132)
-    assert sizes(plan) == {4}
+    assert _group_sizes(plan) == {4}
     for kw in ({"pages_per_chunk": 32}, {"deterministic": True}, {"num_sms": 16}):
         kw = {"num_sms": 132, **kw}
-        assert sizes(cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, **kw)) == {8}, kw
+        assert _group_sizes(cupaged.plan_decode(table, 32, 8, 128, np.float16, qo_indptr=ptr, **kw)) == {8}, kw
 
 
 def test_large_steps_keep_warp_pairs_on_eight_warps():
@@ -236,7 +240,6 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
     128 and 4 heads per CTA in chunks of at least PAIR_WIDE_CHUNK_TOKENS;
     smaller steps, other head dims, 8 heads per CTA, fp8 and 2 per SM keep
     the fallback to one warp's groups."""
-    sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
 
     def plan(lens, q_len, dtype=np.float16, d=128, **kw):
         table = cupaged.PageTable.from_seq_lens(lens, page_size=16)
@@ -247,17 +250,17 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
         assert 2 * sum(lens) * 8 * 128 * 2 >= plan_mod.PAIR_WIDE_MIN_BYTES
         for dtype in (np.float16, BF16):
             p = plan(lens, q_len, dtype)
-            assert sizes(p) == {q_len} and p.ctas_per_sm == 1 and 2 * p.num_ctas >= 132, (lens, q_len)
+            assert _group_sizes(p) == {q_len} and p.ctas_per_sm == 1 and 2 * p.num_ctas >= 132, (lens, q_len)
             assert p.pages_per_chunk * 16 >= plan_mod.PAIR_WIDE_CHUNK_TOKENS
     assert int(plan([32768], 8).request_chunks.max()) > plan_mod.PAIR_MAX_CHUNKS
-    assert sizes(plan([8192], 8)) == {4}        # 32 MiB of KV
-    assert sizes(plan([16384], 8, d=64)) == {4}  # (rows8 has no head_dim 64: 2 per SM)
-    assert sizes(plan([32768], 8, num_sms=300)) == {4}  # a grid of fewer than half the SMs
+    assert _group_sizes(plan([8192], 8)) == {4}        # 32 MiB of KV
+    assert _group_sizes(plan([16384], 8, d=64)) == {4}  # (rows8 has no head_dim 64: 2 per SM)
+    assert _group_sizes(plan([32768], 8, num_sms=300)) == {4}  # a grid of fewer than half the SMs
     hq64 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([32768], page_size=16), 64, 8, 128, np.float16,
                                qo_indptr=np.array([0, 4], np.int32), num_sms=132)
-    assert sizes(hq64) == {2}  # 8 heads per CTA: pairs of 4 tokens, not timed past the limit
+    assert _group_sizes(hq64) == {2}  # 8 heads per CTA: pairs of 4 tokens, not timed past the limit
     fp8 = plan([32768], 8, kv_dtype=np.uint8)
-    assert fp8.group_last is not None and max(sizes(fp8)) <= 4
+    assert fp8.group_last is not None and max(_group_sizes(fp8)) <= 4
 
 
 def test_runner_plans_keep_four_warp_choices():
@@ -265,7 +268,6 @@ def test_runner_plans_keep_four_warp_choices():
     (plan._plan_decode(..., eight_warps=False)) keep warp pairs at the
     kernel's 2 CTAs per SM and within PAIR_MAX_CHUNKS, where decode's plans
     take 8-warp CTAs (one per SM) and keep the pairs of a large step."""
-    sizes = lambda plan: set(np.bincount(plan.group_last)[plan.group_last].tolist())
     for lens, runner_held, runner_sizes, decode_held, decode_sizes in (
             ([32768], 2, {4}, 1, {8}),    # a large step: wide pairs for decode only
             ([1024] * 8, 2, {8}, 1, {4})):  # pairs at 2 per SM for the runner, one warp's groups at 1 for decode
@@ -273,8 +275,8 @@ def test_runner_plans_keep_four_warp_choices():
         kw = {"qo_indptr": np.arange(len(lens) + 1, dtype=np.int32) * 8, "num_sms": 132, "group_tokens": True}
         runner = plan_mod._plan_decode(table, 32, 8, 128, np.float16, eight_warps=False, **kw)
         plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, **kw)
-        assert (runner.ctas_per_sm, sizes(runner)) == (runner_held, runner_sizes), lens
-        assert (plan.ctas_per_sm, sizes(plan)) == (decode_held, decode_sizes), lens
+        assert (runner.ctas_per_sm, _group_sizes(runner)) == (runner_held, runner_sizes), lens
+        assert (plan.ctas_per_sm, _group_sizes(plan)) == (decode_held, decode_sizes), lens
         assert int(runner.request_chunks.max()) <= plan_mod.PAIR_MAX_CHUNKS or runner_sizes == {4}
 
 
