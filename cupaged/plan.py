@@ -77,8 +77,8 @@ PAIR_MAX_CHUNKS = 4
 #: ... except on 8-warp CTAs (family rows8: a default plan held to one CTA
 #: per SM): a step whose requests hold at least PAIR_WIDE_MIN_BYTES of KV in
 #: chunks of at least PAIR_WIDE_CHUNK_TOKENS keeps its warp pairs at any
-#: chunk count on a grid of at least half the SMs (H200, timed at 4 heads
-#: per CTA only; docs/architecture.md "Warp pairs on eight warps").
+#: chunk count on a grid of at least half the SMs (H200, timed at 4 and 8
+#: heads per CTA; docs/architecture.md "Warp pairs on eight warps").
 PAIR_WIDE_CHUNK_TOKENS = 1024
 PAIR_WIDE_MIN_BYTES = 48 << 20
 #: A default multi-token plan (``group_tokens=None``) of a 16-bit cache runs
@@ -926,7 +926,7 @@ def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None
 def _wide_pairs(held: int, hpc: int, page_size: int, chunk_pages: int, ctas: int, sms: int | None,
                 row_pages: np.ndarray, ptr: np.ndarray, slot_bytes: int) -> bool:
     """Whether a default plan's warp pairs, on 8-warp CTAs (held to one per
-    SM: family rows8) at 4 heads per CTA (``hpc``; the only count timed),
+    SM: family rows8) at 4 or 8 heads per CTA (``hpc``; the counts timed),
     run in chunks (the longest: ``chunk_pages``) of at least
     :data:`PAIR_WIDE_CHUNK_TOKENS` on at least half the SMs, over
     requests holding at least :data:`PAIR_WIDE_MIN_BYTES` of KV (each
@@ -934,7 +934,7 @@ def _wide_pairs(held: int, hpc: int, page_size: int, chunk_pages: int, ctas: int
     per token, all kv heads): there reading each chunk's K/V once for twice
     the rows outweighs the last CTA's merge of twice the rows at any chunk
     count."""
-    if not (held == 1 and hpc == 4 and sms is not None and 2 * ctas >= sms
+    if not (held == 1 and hpc in (4, 8) and sms is not None and 2 * ctas >= sms
             and chunk_pages * page_size >= PAIR_WIDE_CHUNK_TOKENS):
         return False
     last = ptr[1:][ptr[1:] > ptr[:-1]] - 1

@@ -237,9 +237,9 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
     """A default plan held to one CTA per SM (family rows8) keeps its warp
     pairs past PAIR_MAX_CHUNKS and on a grid just short of the SMs where
     the requests hold at least PAIR_WIDE_MIN_BYTES of 16-bit KV at head_dim
-    128 and 4 heads per CTA in chunks of at least PAIR_WIDE_CHUNK_TOKENS;
-    smaller steps, other head dims, 8 heads per CTA, fp8 and 2 per SM keep
-    the fallback to one warp's groups."""
+    128 and 4 or 8 heads per CTA in chunks of at least
+    PAIR_WIDE_CHUNK_TOKENS; smaller steps, other head dims, 6 heads per CTA,
+    fp8 and 2 per SM keep the fallback to one warp's groups."""
 
     def plan(lens, q_len, dtype=np.float16, d=128, **kw):
         table = cupaged.PageTable.from_seq_lens(lens, page_size=16)
@@ -256,9 +256,13 @@ def test_large_steps_keep_warp_pairs_on_eight_warps():
     assert _group_sizes(plan([8192], 8)) == {4}        # 32 MiB of KV
     assert _group_sizes(plan([16384], 8, d=64)) == {4}  # (rows8 has no head_dim 64: 2 per SM)
     assert _group_sizes(plan([32768], 8, num_sms=300)) == {4}  # a grid of fewer than half the SMs
-    hq64 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([32768], page_size=16), 64, 8, 128, np.float16,
+    for lens in ([32768], [16384], [8192] * 2):  # 8 heads per CTA: pairs of 4 tokens (32 rows), as at 4 heads
+        hq64 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens(lens, page_size=16), 64, 8, 128, np.float16,
+                                   qo_indptr=np.arange(len(lens) + 1, dtype=np.int32) * 4, num_sms=132)
+        assert (_group_sizes(hq64), hq64.ctas_per_sm, hq64.heads_per_cta) == ({4}, 1, 8), lens
+    hq48 = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([32768], page_size=16), 48, 8, 128, np.float16,
                                qo_indptr=np.array([0, 4], np.int32), num_sms=132)
-    assert _group_sizes(hq64) == {2}  # 8 heads per CTA: pairs of 4 tokens, not timed past the limit
+    assert hq48.heads_per_cta == 6 and max(_group_sizes(hq48)) < 4  # 6 heads per CTA: not timed, no wide pairs
     fp8 = plan([32768], 8, kv_dtype=np.uint8)
     assert fp8.group_last is not None and max(_group_sizes(fp8)) <= 4
 
@@ -428,21 +432,23 @@ def test_eight_warp_row_groups_match_reference(hq, dtype, monkeypatch):
 
 
 @gpu
-def test_default_wide_pairs_match_reference():
-    """The default plan of a long request's 5 query tokens (warp pairs of 20
-    rows on 8-warp CTAs, 16 chunks, one CTA per SM) against the float64
-    reference, with sinks."""
+@pytest.mark.parametrize("hq,q_len", [(32, 5), (64, 4)])
+def test_default_wide_pairs_match_reference(hq, q_len):
+    """The default plan of a long request's query tokens on warp pairs on
+    8-warp CTAs (16 chunks, one CTA per SM) against the float64 reference,
+    with sinks: 5 tokens at 4 heads per CTA (pairs of 20 rows) and 4 at 8
+    heads per CTA (pairs of 32 rows)."""
     from cupaged._plan_launch import plan_states
 
     cp = _cp()
-    b = make_batch(350, [32768], dtype=F16, mid_page=False)
-    ptr = np.array([0, 5], np.int32)
-    q = make_query(np.random.default_rng(351), 5, b.num_qo_heads, b.head_dim, b.dtype)
+    b = make_batch(350, [32768], dtype=F16, mid_page=False, num_qo_heads=hq)
+    ptr = np.array([0, q_len], np.int32)
+    q = make_query(np.random.default_rng(351), q_len, b.num_qo_heads, b.head_dim, b.dtype)
     b.q, b.host = cp.asarray(q), (q, *b.host[1:])
     sinks = np.random.default_rng(352).uniform(-1, 3, b.num_qo_heads).astype(np.float32)
     plan = b.plan(qo_indptr=ptr, num_sms=132)
-    assert plan.ctas_per_sm == 1 and int(np.bincount(plan.group_last).max()) == 5
-    assert int(plan.request_chunks.max()) > plan_mod.PAIR_MAX_CHUNKS
+    assert plan.ctas_per_sm == 1 and int(np.bincount(plan.group_last).max()) == q_len
+    assert plan.heads_per_cta == hq // 8 and int(plan.request_chunks.max()) > plan_mod.PAIR_MAX_CHUNKS
     check(run("v2", b, plan, qo_indptr=ptr), b.reference(qo_indptr=ptr), F16)
     check(run("v2", b, plan, qo_indptr=ptr, sinks=cp.asarray(sinks)), b.reference(qo_indptr=ptr, sinks=sinks), F16)
     assert [s.family for s in plan_states(plan).values()] == ["rows8"]
