@@ -90,18 +90,20 @@ struct Pipeline {
 };
 
 // Per-warp softmax states of a CTA, staged in shared memory to be combined:
-// running max m and denominator l (base 2) and the unnormalized output.
-template <int WARPS, int HEADS, int HEAD_DIM>
+// running max m and denominator l (base 2) and the unnormalized output, its
+// rows PAD floats apart beyond HEAD_DIM (a multiple of 4: float4 reads).
+template <int WARPS, int HEADS, int HEAD_DIM, int PAD = 0>
 struct WarpStates {
+  static_assert(PAD % 4 == 0, "rows stay 16-byte aligned");
   float m[WARPS][HEADS];
   float l[WARPS][HEADS];
-  float acc[WARPS][HEADS][HEAD_DIM];
+  float acc[WARPS][HEADS][HEAD_DIM + PAD];
 };
 
 // Combines the warps' states (thread per head and 4 dims) and emits the
 // normalized output (times out_scale) and its log2 LSE. Call after a barrier that publishes st.
-template <int WARPS, int THREADS, int HEADS, int HEAD_DIM, typename Emit>
-__device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEAD_DIM>& st, float out_scale,
+template <int WARPS, int THREADS, int HEADS, int HEAD_DIM, int PAD, typename Emit>
+__device__ __forceinline__ void emit_combined(const WarpStates<WARPS, HEADS, HEAD_DIM, PAD>& st, float out_scale,
                                               Emit& emit) {
   constexpr int D4 = HEAD_DIM / 4;
   for (int item = threadIdx.x; item < HEADS * D4; item += THREADS) {

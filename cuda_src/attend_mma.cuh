@@ -129,6 +129,14 @@ struct MmaLayout {
   static_assert(HEAD_DIM % (sizeof(KV) == 1 ? 32 : 16) == 0 && (MMA_TILE * CPR) % 32 == 0, "unsupported HEAD_DIM");
 };
 
+// The warp states' row padding (floats). The tiles' stores put 8 rows (RowsTile:
+// lanes g, float2) or 4 (ColsTile: lanes t) in one instruction; rows of
+// HEAD_DIM = 128 floats all start at bank 0, so each such store took 8 (4)
+// shared-memory wavefronts instead of 2 (16-row groups: ~2K cycles an SM at
+// the end of every CTA). 8 floats more a row start row r at bank 8r: the rows
+// tile's stores are conflict-free, the cols tile's 2-way.
+constexpr int MMA_STATE_PAD = 8;
+
 // ROWS: the query rows a CTA combines (its heads, or a row group's rows).
 template <typename T, typename KV, int HEAD_DIM, int ROWS>
 struct MmaScratch {
@@ -136,8 +144,8 @@ struct MmaScratch {
   int page_ids[PAGE_WINDOW];
   union __align__(128) {  // (with the 128-byte aligned dynamic shared memory: every row 128-byte aligned)
     unsigned char kv[L::STAGES][MMA_WARPS][2][MMA_TILE][L::ROW_BYTES];  // [stage][warp][K or V][token][bytes]
-    WarpStates<MMA_WARPS, ROWS, HEAD_DIM> combine;
-    WarpStates<MMA_WARPS / 2, 2 * ROWS, HEAD_DIM> paired;  // (warp pairs: a pair's rows side by side)
+    WarpStates<MMA_WARPS, ROWS, HEAD_DIM, MMA_STATE_PAD> combine;
+    WarpStates<MMA_WARPS / 2, 2 * ROWS, HEAD_DIM, MMA_STATE_PAD> paired;  // (warp pairs: a pair's rows side by side)
   };
 };
 
