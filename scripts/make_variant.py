@@ -90,6 +90,15 @@ be rerun without hand-editing a tree:
   instructions on its executed path (was ~100); timed on the q_len 8 cells
   and the small one-token cells, above.
 
+* ``vector_emit`` (issue 18, prepared in the thirty-second session, not yet
+  timed): an emitted item (4 dims of one row: a partial's float32, a final
+  output's 16-bit or float32) is one 16- or 8-byte store where its address
+  is aligned (partials always are), not four scalar stores. Why: the end of
+  a row-group CTA grows with its rows (1 x 8192 q_len 4 ran ~2 us longer than
+  q_len 2 on the same plan); its partial writes are 4x the store requests
+  the acq_rel ticket then waits on. NVRTC sm_90: rows8 fp16, rows bf16 and
+  partial float32 at head_dim 128 compile without spills (other modules untried).
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -494,6 +503,28 @@ _COPY_U32 = [
                                      (unsigned)(slot * vs.token * (int)sizeof(KV)));'''),
 ]
 
+# vector_emit (issue 18, thirty-second session; not yet timed): one store per emitted item where aligned
+_VECTOR_EMIT = [
+    ("attend.cuh",
+     """    T* p = out + h * stride_head + d;
+    Storage<T>::store(p, o.x); Storage<T>::store(p + 1, o.y);
+    Storage<T>::store(p + 2, o.z); Storage<T>::store(p + 3, o.w);
+""",
+     """    T* p = out + h * stride_head + d;
+    if (reinterpret_cast<unsigned long long>(p) % (4 * sizeof(T)) == 0) {  // variant vector_emit: one store
+      if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(p) = o;
+      } else {
+        *reinterpret_cast<uint2*>(p) = make_uint2(Storage<T>::bits(o.x) | Storage<T>::bits(o.y) << 16,
+                                                  Storage<T>::bits(o.z) | Storage<T>::bits(o.w) << 16);
+      }
+    } else {
+      Storage<T>::store(p, o.x); Storage<T>::store(p + 1, o.y);
+      Storage<T>::store(p + 2, o.z); Storage<T>::store(p + 3, o.w);
+    }
+"""),
+]
+
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
     "padded": _PADDED,
@@ -515,6 +546,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "merge_items4": _MERGE_ITEMS4,
     "pair_step2": _PAIR_STEP2,
     "copy_u32": _COPY_U32,
+    "vector_emit": _VECTOR_EMIT,
 }
 
 
