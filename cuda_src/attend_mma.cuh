@@ -131,11 +131,12 @@ struct MmaLayout {
 
 // The warp states' row padding (floats). The tiles' stores put 8 rows (RowsTile:
 // lanes g, float2) or 4 (ColsTile: lanes t) in one instruction; unpadded rows
-// (head_dim 64-256: multiples of 32 floats) all start at bank 0, so each such
-// store took 8 (4) shared-memory wavefronts instead of 2 (by count, ~2K cycles
-// an SM at the end of every CTA of 16-row groups). 8 floats more a row start
-// row r at bank 8r: the rows tile's stores are conflict-free, the cols tile's
-// 2-way (H200: q_len 2-8 cells 2-5 % faster, docs/architecture.md "Warp states padded").
+// (head_dim 64-256: multiples of 32 floats) all start at bank 0: a RowsTile
+// store took 8 shared-memory wavefronts instead of 2 (by count, ~2K cycles an
+// SM at the end of every CTA of 16-row groups), a ColsTile store was 4-way
+// conflicted. 8 floats more a row start row r at bank 8r: the rows tile's
+// stores are conflict-free, the cols tile's 2-way (H200: q_len 2-8 cells 2-5 %
+// faster, docs/architecture.md "Warp states padded").
 constexpr int MMA_STATE_PAD = 8;
 
 // ROWS: the query rows a CTA combines (its heads, or a row group's rows).
