@@ -858,7 +858,7 @@ def _plan_decode(table: Any, num_qo_heads: int, num_kv_heads: int, head_dim: int
     target, chunk_pages, req_chunks, units, longest_chunk, held = _grouped_chunking(
         pages, group_last, *knobs, wide or not paired)
     if paired and not (wide and _wide_pairs(held, hpc, page_size, longest_chunk, units * grid_y, sms, row_pages, ptr,
-                                            hkv * 2 * d * kv_dt.itemsize)) and (
+                                            hkv, d, kv_dt)) and (
             int(np.maximum.reduce(req_chunks)) > PAIR_MAX_CHUNKS
             or _pairs_underfill(units * grid_y, deterministic, pages_per_chunk, max_pages_per_chunk, sms)):
         # The last CTA of a group merges all its rows' partials: on warp pairs
@@ -909,8 +909,13 @@ def _rows_read_little(pages: np.ndarray, page_size: int, hkv: int, d: int, kv_dt
     read at most :data:`ROW_TABLE_MAX_BYTES` of a 16-bit cache in all."""
     if kv_dt.itemsize != 2:  # (fp8 not measured; float32 has no row groups)
         return False
-    row_pages = int(np.add.reduce(pages, dtype=np.int64))
-    return row_pages * page_size * 2 * d * kv_dt.itemsize * hkv <= ROW_TABLE_MAX_BYTES
+    return _kv_bytes(pages, page_size, hkv, d, kv_dt) <= ROW_TABLE_MAX_BYTES
+
+
+def _kv_bytes(pages: np.ndarray, page_size: int, hkv: int, d: int, kv_dt: np.dtype) -> int:
+    """Bytes of K and V that ``pages`` (pages per request or row) hold over
+    all ``hkv`` kv heads."""
+    return int(np.add.reduce(pages, dtype=np.int64)) * page_size * 2 * d * kv_dt.itemsize * hkv
 
 
 def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None, max_pages_per_chunk: int | None,
@@ -924,21 +929,20 @@ def _pairs_underfill(ctas: int, deterministic: bool, pages_per_chunk: int | None
 
 
 def _wide_pairs(held: int, hpc: int, page_size: int, chunk_pages: int, ctas: int, sms: int | None,
-                row_pages: np.ndarray, ptr: np.ndarray, slot_bytes: int) -> bool:
+                row_pages: np.ndarray, ptr: np.ndarray, hkv: int, d: int, kv_dt: np.dtype) -> bool:
     """Whether a default plan's warp pairs, on 8-warp CTAs (held to one per
     SM: family rows8) at 4 or 8 heads per CTA (``hpc``; the counts timed),
     run in chunks (the longest: ``chunk_pages``) of at least
     :data:`PAIR_WIDE_CHUNK_TOKENS` on at least half the SMs, over
     requests holding at least :data:`PAIR_WIDE_MIN_BYTES` of KV (each
-    request's pages, its last query row's, once; ``slot_bytes`` of K and V
-    per token, all kv heads): there reading each chunk's K/V once for twice
-    the rows outweighs the last CTA's merge of twice the rows at any chunk
-    count."""
+    request's pages, its last query row's, once; all ``hkv`` kv heads):
+    there reading each chunk's K/V once for twice the rows outweighs the
+    last CTA's merge of twice the rows at any chunk count."""
     if not (held == 1 and hpc in (4, 8) and sms is not None and 2 * ctas >= sms
             and chunk_pages * page_size >= PAIR_WIDE_CHUNK_TOKENS):
         return False
     last = ptr[1:][ptr[1:] > ptr[:-1]] - 1
-    return int(np.add.reduce(row_pages[last], dtype=np.int64)) * page_size * slot_bytes >= PAIR_WIDE_MIN_BYTES
+    return _kv_bytes(row_pages[last], page_size, hkv, d, kv_dt) >= PAIR_WIDE_MIN_BYTES
 
 
 def _knobs(deterministic: Any, group_tokens: Any, pages_per_chunk: Any, max_pages_per_chunk: Any,
