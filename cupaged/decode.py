@@ -56,6 +56,8 @@ def decode(q, k_cache, v_cache, table: PageTable, plan: DecodePlan | None = None
             streams. A CUDA graph that captured a v2 call reads that state: it
             decodes the table of the plan's latest call on that stream (for
             one graph over changing tables, use :class:`cupaged.DecodeRunner`).
+            The state lives as long as the plan: keep the plan (and q, the
+            caches and out) alive while such a graph may replay.
             With a held plan, a v2 call like the previous one (same table
             object, shapes, strides, dtypes, device, stream, method, sm_scale,
             soft cap, k/v scales and layout) skips the input checks and only

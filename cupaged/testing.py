@@ -250,7 +250,8 @@ class GraphTimer:
     it; :meth:`time_us` times replays between CUDA events.
 
     ``fn`` must be capturable: no synchronization or host transfers, and
-    preallocated outputs (pass ``out=`` to :func:`cupaged.decode`).
+    preallocated outputs (pass ``out=`` to :func:`cupaged.decode`). The
+    timer keeps ``fn`` (attribute ``fn``), and with it what its calls use.
     Raises :class:`~cupaged.errors.NoGPUError` without a GPU; CuPy's errors
     for work that cannot be captured.
 
@@ -268,6 +269,10 @@ class GraphTimer:
         if not isinstance(launches, (int, np.integer)) or launches < 1:
             raise InvalidArgumentError(f"launches must be an int >= 1, got {launches!r}")
         self.launches = int(launches)
+        # The graph replays the buffers fn's calls reached (a decode plan's launch
+        # state: its image, workspace and counters; out): holding fn holds them, so
+        # a closure over its own plan stays valid as long as the timer.
+        self.fn = fn
         self.stream = cupy.cuda.Stream(non_blocking=True)
         with self.stream:
             fn()  # warm-up outside capture: compiles, uploads tables and workspaces

@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import math
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,14 +117,31 @@ def require_gpu() -> None:
         sys.exit(EXIT_NO_GPU)
 
 
+#: Device memory the driver takes back keeps the HBM busy for a while after
+#: ``free_all_blocks`` returns: on the H200 a decode timed right after 34 GB
+#: were freed ran 13 % slower for ~80 ms (8 GB: ~20 ms), FlashInfer's the same
+#: way, ~0.4 TB/s of work nobody asked for (2026-12-04, docs/architecture.md
+#: "Benchmarks wait out freed memory"). A server, its KV cache allocated once,
+#: never sees it; a benchmark cell after a larger one did (the issue-5 suite's
+#: 1 x 131072 after 128 x 32768: 145 us instead of 128). So the next cell waits
+#: this rate's time per freed byte, about twice what the slowdown lasted.
+FREED_BYTES_PER_S = 200e9
+
+
 def free_gpu_memory() -> None:
     """Return every cached block of cupy's pools to the driver (call after
-    dropping the references of one configuration)."""
+    dropping the references of one configuration), then wait out what the
+    driver does with them (:data:`FREED_BYTES_PER_S`; 34 GB: 0.17 s)."""
     import cupy
 
     cupy.cuda.get_current_stream().synchronize()
-    cupy.get_default_memory_pool().free_all_blocks()
+    pool = cupy.get_default_memory_pool()
+    held = pool.total_bytes()
+    pool.free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
+    freed = held - pool.total_bytes()
+    if freed > 0:
+        time.sleep(freed / FREED_BYTES_PER_S)
 
 
 def sweep_axes(base: Mapping[str, tuple], args: Any, axes: Sequence[str]) -> dict:

@@ -327,7 +327,7 @@ def _fake_cupy(seed: int = 1) -> types.ModuleType:
         standard_normal=lambda shape, dtype=np.float64: rng.standard_normal(shape, dtype=dtype).view(_HostArray))
     cp.asnumpy = np.asarray
     cp.empty_like = lambda a: np.empty_like(a).view(_HostArray)
-    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
+    cp.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None, total_bytes=lambda: 0)
     cp.cuda = types.SimpleNamespace(
         Device=lambda *a: types.SimpleNamespace(id=0),
         runtime=types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"NumPy stand-in"}))

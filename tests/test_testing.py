@@ -140,6 +140,39 @@ def test_graph_timer_times_and_replays_decode():
 
 
 @pytest.mark.gpu
+def test_graph_timer_keeps_what_its_calls_use():
+    # A graph replays the buffers its captured calls reached: here the plan's
+    # launch state (image, workspace, counters), owned by a plan only the
+    # closure holds. The timer must hold the closure; it did not (2026-12-04),
+    # and a replay after CuPy's pool returned its free blocks to the driver
+    # read freed memory (an illegal address).
+    import gc
+    import weakref
+
+    import cupy
+
+    b = testing.make_paged_batch([4096, 1000, 33], 32, 8, 128, "float16", seed=4)
+
+    def build():
+        plan = cupaged.plan_decode(b.table, 32, 8, 128, b.dtype)
+        out = cupy.empty_like(b.q)
+        lse = cupy.empty(b.q.shape[:2], dtype=cupy.float32)
+        timer = testing.GraphTimer(lambda: cupaged.decode(b.q, b.k_cache, b.v_cache, b.table, plan, out=out,
+                                                          lse=lse, return_lse=True), launches=2)
+        return timer, out, lse, weakref.ref(plan)
+
+    timer, out, lse, plan_ref = build()
+    gc.collect()
+    cupy.get_default_memory_pool().free_all_blocks()
+    assert plan_ref() is not None
+    out.fill(np.nan)
+    lse.fill(np.nan)
+    timer.replay()
+    ref, ref_lse = reference.decode(b.q, b.k_cache, b.v_cache, b.table)
+    check_close(out.get(), lse.get(), ref, ref_lse, b.dtype)
+
+
+@pytest.mark.gpu
 def test_graph_timer_leaves_capture_when_the_call_raises():
     # gather calls cuBLAS, which cannot be captured: the timer must end the
     # capture it began, or every later CUDA call in the process fails
