@@ -1761,6 +1761,24 @@ def plot_suite(rows: list[dict], path: str, title: str = "") -> None:
     _save_figure(fig, path, title, dpi=100)
 
 
+def gpu_uuid(props: dict) -> str:
+    """``", GPU-<uuid>"`` (nvidia-smi's form) from CUDA device properties, or
+    "" without one: two H200s of one morning streamed 2-3 % apart
+    (docs/architecture.md "Benchmarks wait out freed memory"), so a report
+    names its GPU.
+
+    >>> gpu_uuid({"uuid": bytes(range(16))})
+    ', GPU-00010203-0405-0607-0809-0a0b0c0d0e0f'
+    >>> gpu_uuid({})
+    ''
+    """
+    u = props.get("uuid")
+    if not isinstance(u, (bytes, bytearray)) or len(u) != 16:
+        return ""
+    h = bytes(u).hex()
+    return f", GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 def run_meta(args: argparse.Namespace, argv, flashinfer: FlashInfer | None, planned: int) -> dict:
     """Header facts of a suite report: command, GPU, date, commit, versions."""
     import datetime
@@ -1773,7 +1791,8 @@ def run_meta(args: argparse.Namespace, argv, flashinfer: FlashInfer | None, plan
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         gpu += (
             f" ({props['multiProcessorCount']} SMs, {props['totalGlobalMem'] / 2**30:.0f} GiB, "
-            f"driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()})"
+            f"driver {cupy.cuda.runtime.driverGetVersion()}, runtime {cupy.cuda.runtime.runtimeGetVersion()}"
+            f"{gpu_uuid(props)})"
         )
     except Exception:
         pass

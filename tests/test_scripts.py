@@ -61,6 +61,12 @@ def test_free_gpu_memory_waits_out_what_it_freed(monkeypatch):
     assert len(slept) == 1
 
 
+def test_reports_name_their_gpu_by_uuid():
+    # the suite's GPU line names the instance (two H200s of one morning streamed 2-3 % apart)
+    assert microbench.gpu_uuid({"uuid": bytes(range(16))}) == ", GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
+    assert microbench.gpu_uuid({"uuid": b"short"}) == microbench.gpu_uuid({}) == ""
+
+
 def test_correctness_sweeps_are_data():
     assert correctness.DEFAULT_SWEEP == {
         "head_dim": (64, 128),
