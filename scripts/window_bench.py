@@ -197,7 +197,7 @@ def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
         row.update({("plain_us" if n == "plain" else f"{n}_us"): statistics.median(t) for n, t in times.items()})
         yield finish_row(row)
     del caches, b
-    cupy.get_default_memory_pool().free_all_blocks()
+    _common.free_gpu_memory()  # (returns the pools, then waits out the driver's work on them)
 
 
 def main(argv=None) -> int:
