@@ -128,8 +128,9 @@ def require_gpu() -> None:
 FREED_BYTES_PER_S = 200e9
 
 
-def free_gpu_memory() -> None:
-    """Return every cached block of cupy's pools to the driver (call after
+def free_gpu_memory(torch: Any = None) -> None:
+    """Return every cached block of cupy's pools (and of ``torch``'s caching
+    allocator, the FlashInfer peer's, when given) to the driver (call after
     dropping the references of one configuration), then wait out what the
     driver does with them (:data:`FREED_BYTES_PER_S`; 34 GB: 0.17 s)."""
     import cupy
@@ -140,6 +141,10 @@ def free_gpu_memory() -> None:
     pool.free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
     freed = held - pool.total_bytes()
+    if torch is not None:
+        reserved = torch.cuda.memory_reserved()
+        torch.cuda.empty_cache()
+        freed += reserved - torch.cuda.memory_reserved()
     if freed > 0:
         time.sleep(freed / FREED_BYTES_PER_S)
 

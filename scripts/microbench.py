@@ -1179,9 +1179,7 @@ def run_cell(
     try:
         return _measure_cell(cell, args, stream, flashinfer)
     finally:
-        if flashinfer is not None and flashinfer.available:
-            flashinfer.torch.cuda.empty_cache()
-        _common.free_gpu_memory()
+        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
 
 
 def pool_bytes(layout: _common.BatchLayout, num_kv_heads: int, head_dim: int, itemsize: int, replicas: int) -> int:
@@ -1395,9 +1393,7 @@ def run_fp8_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: Flash
     try:
         return _measure_fp8_cell(cell, args, stream, flashinfer)
     finally:
-        if flashinfer is not None and flashinfer.available:
-            flashinfer.torch.cuda.empty_cache()
-        _common.free_gpu_memory()
+        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
 
 
 def _best_flashinfer(results: dict, prefix: str) -> tuple[str | None, dict | None]:
@@ -2125,9 +2121,7 @@ def run_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: Fl
     try:
         return _measure_ragged_cell(cell, args, stream, flashinfer)
     finally:
-        if flashinfer is not None and flashinfer.available:
-            flashinfer.torch.cuda.empty_cache()
-        _common.free_gpu_memory()
+        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
 
 
 def _measure_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None):

@@ -336,11 +336,9 @@ def main(argv=None) -> int:
             print("  spread%: " + ", ".join(f"{n} {s:.1f}" for n, s in spreads.items())
                   + (f"  note: {row['note']}" if row["note"] else ""), flush=True)
         gc.collect()  # the cell's arrays went with measure()'s frame; drop any cycle too
-        if fi is not None:
-            fi[1].cuda.empty_cache()
         # (and wait out what the driver does with the freed pools: the next cell's first column, v2's, once
         # ran up to 12 % slow after a large cell; docs/architecture.md "Benchmarks wait out freed memory")
-        _common.free_gpu_memory()
+        _common.free_gpu_memory(fi[1] if fi is not None else None)
     if args.csv:
         _common.write_csv(args.csv, CSV_COLUMNS, csv_rows(rows))
     if args.md:

@@ -60,7 +60,7 @@ def loop(request, monkeypatch, tmp_path):
         SIGTERM=signal.SIGTERM, SIGALRM=signal.SIGALRM, Signals=signal.Signals, signal=set_handler,
         alarm=lambda n: state.log.append(("alarm", n))))
     monkeypatch.setattr(_common, "require_gpu", lambda: None)
-    monkeypatch.setattr(_common, "free_gpu_memory", lambda: state.log.append(("free",)))
+    monkeypatch.setattr(_common, "free_gpu_memory", lambda torch=None: state.log.append(("free",)))
     monkeypatch.setattr(microbench, "FlashInfer", lambda: SimpleNamespace(available=False, reason="none", version="?"))
     monkeypatch.setattr(microbench, "device_name", lambda: "Fake")
     for name in ("plot_suite", "plot_ragged"):

@@ -263,7 +263,7 @@ class _FakeFlashInfer:
     4.4 TB/s + 5 us; ``outputs`` sets what each variant writes (v2 writes 1)."""
 
     reason, version, available = "", "fake", True
-    torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None), __version__="fake")
+    torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None, memory_reserved=lambda: 0), __version__="fake")
     outputs = {"cuda_cores": 1.0, "tensor_cores": 1.0}
 
     def __init__(self):

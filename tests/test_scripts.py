@@ -59,6 +59,12 @@ def test_free_gpu_memory_waits_out_what_it_freed(monkeypatch):
     assert slept == [pytest.approx((4 * 10**9 - 10**6) / _common.FREED_BYTES_PER_S)]
     _common.free_gpu_memory()  # nothing left to give back
     assert len(slept) == 1
+    # the FlashInfer peer's torch cache counts too
+    reserved = {"bytes": 2 * 10**9}
+    torch = SimpleNamespace(cuda=SimpleNamespace(memory_reserved=lambda: reserved["bytes"],
+                                                 empty_cache=lambda: reserved.update(bytes=0)))
+    _common.free_gpu_memory(torch)
+    assert slept[1:] == [pytest.approx(2 * 10**9 / _common.FREED_BYTES_PER_S)]
 
 
 def test_reports_name_their_gpu_by_uuid():
@@ -933,7 +939,7 @@ def fake_gpu(monkeypatch):
 
     class FlashInfer:
         reason, version, available = "", "fake", True
-        torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None), __version__="fake")
+        torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None, memory_reserved=lambda: 0), __version__="fake")
 
         def runners(self, batch, stream):
             kv = _kv_of(batch.table, batch.k_cache)
@@ -1445,7 +1451,7 @@ def test_fp8_mode_on_a_fake_gpu(fake_gpu, tmp_path, capsys, monkeypatch):
 
     class FlashInfer:
         reason, version, available = "", "fake", True
-        torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None), __version__="fake")
+        torch = SimpleNamespace(cuda=SimpleNamespace(empty_cache=lambda: None, memory_reserved=lambda: 0), __version__="fake")
         seen = []
 
         def runners(self, batch, stream, *, caches=None, kv_dtype=None, k_scale=None, v_scale=None,
