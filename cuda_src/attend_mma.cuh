@@ -513,11 +513,14 @@ struct RowsTile {
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      m_new[h] = fmaxf(m[h], mx);
+      // The running max moves only when the tile passes it by more than 8 (log2
+      // units): P stays <= 2^8 (f16/bf16 keep its relative precision, l is f32)
+      // and the O rescale below runs only then (FlashAttention-4's lazy rescale).
+      m_new[h] = mx > m[h] + 8.f ? mx : m[h];
       m_safe[h] = m_new[h] == neg_inf() ? 0.f : m_new[h];
       grew = grew || m_new[h] > m[h];
     }
-    if (__any_sync(0xffffffffu, grew)) {  // the max grows O(log n) times
+    if (__any_sync(0xffffffffu, grew)) {  // rarely after the first tiles
 #pragma unroll
       for (int h = 0; h < HALVES; ++h) {
         const float alpha = fast_exp2(m[h] - m_safe[h]);

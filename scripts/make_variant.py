@@ -99,16 +99,13 @@ be rerun without hand-editing a tree:
   the acq_rel ticket then waits on. NVRTC sm_90: rows8 fp16, rows bf16 and
   partial float32 at head_dim 128 compile without spills (other modules untried).
 
-* ``lazy_rescale`` (issues 18 and 20, thirty-third session): the tensor-core
-  rows tile moves a row's running max only when the tile's max passes it by
-  more than 8 (log2 units), so P stays <= 2^8 (exact in f16/bf16 up to a
-  rounding, the f32 denominator as before) and the O rescale (66 FMULs a lane
-  at head_dim 128) runs only then. Why: ncu of 1 x 8192 q_len 8 took the
-  rescale on 96 % of the tiles (16 rows, 8 tiles a warp), on the chain to
-  P.V. (FlashAttention-4's conditional rescaling.) Timed (H200, 2 rounds,
-  docs/benchmarks/lazy-rescale-ab-h200-2026-12-04.log): multi-token cells
-  0.4-1.2 % faster, one-token within 0.3 %; its GPU tests not yet run, so
-  not landed.
+* ``eager_rescale`` (issues 18 and 20, thirty-fourth session): the inverse
+  of the landed lazy rescale. The tensor-core rows tile moves a row's running
+  max on every tile whose max passes it (the kernels before the thirty-fourth
+  session), so the O rescale runs on nearly every tile of a multi-token cell.
+  Timed as ``lazy_rescale`` against it (H200, 2 rounds,
+  docs/benchmarks/lazy-rescale-ab-h200-2026-12-04.log): lazy 0.4-1.2 %
+  faster on multi-token cells, one-token within 0.3 %.
 
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
@@ -294,8 +291,8 @@ _FOLD_SCALE = [
      "          for (int e = 0; e < 2 * HALVES; ++e) s[n][e] = sc.cap(s[n][e]);\n"
      "      }\n"
      "    }\n"),
-    ("attend_mma.cuh", "      m_new[h] = fmaxf(m[h], mx);\n",
-     "      m_new[h] = fmaxf(m[h], mx * k);  // variant fold_scale (k > 0: the max of the scaled)\n"),
+    ("attend_mma.cuh", "      m_new[h] = mx > m[h] + 8.f ? mx : m[h];\n",
+     "      m_new[h] = mx * k > m[h] + 8.f ? mx * k : m[h];  // variant fold_scale (k > 0: the max of the scaled)\n"),
     ("attend_mma.cuh", "fast_exp2(s[n][2 * h + e] - m_safe[h])",
      "fast_exp2(fmaf(s[n][2 * h + e], k, -m_safe[h]))"),
 ]
@@ -536,19 +533,11 @@ _VECTOR_EMIT = [
 """),
 ]
 
-# lazy_rescale (issues 18 and 20, thirty-third session): the running max moves only past m + 8
-_LAZY_RESCALE = [
+# eager_rescale (issues 18 and 20, thirty-fourth session): the running max moves on every larger tile
+_EAGER_RESCALE = [
     ("attend_mma.cuh",
-     """      m_new[h] = fmaxf(m[h], mx);
-      m_safe[h] = m_new[h] == neg_inf() ? 0.f : m_new[h];
-      grew = grew || m_new[h] > m[h];
-    }
-    if (__any_sync(0xffffffffu, grew)) {  // the max grows O(log n) times""",
-     """      m_new[h] = mx > m[h] + 8.f ? mx : m[h];  // variant lazy_rescale: P <= 2^8 until the max moves
-      m_safe[h] = m_new[h] == neg_inf() ? 0.f : m_new[h];
-      grew = grew || m_new[h] > m[h];
-    }
-    if (__any_sync(0xffffffffu, grew)) {  // the max grows O(log n) times"""),
+     """      m_new[h] = mx > m[h] + 8.f ? mx : m[h];""",
+     """      m_new[h] = fmaxf(m[h], mx);  // variant eager_rescale"""),
 ]
 
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
@@ -571,7 +560,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fold_scale": _FOLD_SCALE,
     "merge_items4": _MERGE_ITEMS4,
     "pair_step2": _PAIR_STEP2,
-    "lazy_rescale": _LAZY_RESCALE,
+    "eager_rescale": _EAGER_RESCALE,
     "copy_u32": _COPY_U32,
     "vector_emit": _VECTOR_EMIT,
 }

@@ -150,3 +150,24 @@ def test_csv_columns_and_rows(tmp_path):
     assert list(got) == list(bench.CSV_COLUMNS)
     assert float(got["kv_mb"]) == 256.0 and float(got["ratio_q1"]) == 1.25
     assert float(got["fi_best_over_v2"]) == 1.5 and got["fa3_us"] == "" and got["note"] == "fa3: unavailable"
+
+
+def test_time_calls_warms_every_method_once_untimed(monkeypatch):
+    """Each method replays once before the rounds, and that replay is not in its times."""
+    import cupaged.testing
+
+    log = []
+
+    class FakeTimer:
+        def __init__(self, fn):
+            self.name = fn()
+
+        def time_us(self, reps):
+            log.append((self.name, reps))
+            return 1.0 if reps == 1 else float(len(log))
+
+    monkeypatch.setattr(cupaged.testing, "GraphTimer", FakeTimer)
+    times = bench.time_calls({"a": lambda: "a", "b": lambda: "b"}, rounds=2, notes=[])
+    assert log[:2] == [("a", 1), ("b", 1)]
+    assert log[2:] == [("a", bench.REPS), ("b", bench.REPS)] * 2
+    assert times == {"a": [3.0, 5.0], "b": [4.0, 6.0]}
