@@ -26,7 +26,7 @@ import csv
 import math
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -411,6 +411,50 @@ def nan_like(q) -> Any:
     import cupy
 
     return cupy.full(q.shape, np.nan, dtype=cupy.float32).astype(q.dtype)
+
+
+# ------------------------------------------------------- cold-L2 rotation
+ROTATE_BYTES = 256 << 20  # visible K/V a timed graph cycles through before it reads a copy again
+MAX_COPY_BYTES = 24 << 30  # the pools of all copies of one cell together, at most
+
+
+def cache_copies(kv_bytes: int, pool_bytes: int, max_copies: int) -> int:
+    """Copies of a cell's K/V pools its timed graphs rotate over, so no call
+    reads a copy the L2 still holds (the H200's is 50 MB; a server's next
+    layer reads another cache): enough that the calls cycle
+    :data:`ROTATE_BYTES` when each reads ``kv_bytes``, at most
+    ``max_copies``, and at most :data:`MAX_COPY_BYTES` of pools
+    (``pool_bytes``: one copy's K and V pools).
+
+    >>> cache_copies(33554432, 2 * 67108864, 64)   # 32 MiB a call: 8 copies
+    8
+    >>> cache_copies(4194304, 2 * 8388608, 16)     # 4 MiB a call: the cap
+    16
+    >>> cache_copies(34 << 20, 2 * (2 << 30), 16)  # 8 wanted, 24 GiB holds 6 pools
+    6
+    >>> cache_copies(512 << 20, 2 << 30, 16)       # more than ROTATE_BYTES a call: one copy
+    1
+    """
+    want = -(-ROTATE_BYTES // max(kv_bytes, 1))
+    fit = MAX_COPY_BYTES // max(pool_bytes, 1)
+    return int(max(1, min(want, max_copies, fit)))
+
+
+def rotating(fns: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
+    """One callable that calls ``fns`` in turn (a graph of n captured calls
+    holds n consecutive copies).
+
+    >>> seen = []; call = rotating([lambda: seen.append(0), lambda: seen.append(1)])
+    >>> for _ in range(3): call()
+    >>> seen
+    [0, 1, 0]
+    """
+    state = [0]
+
+    def call():
+        fns[state[0] % len(fns)]()
+        state[0] += 1
+    return call
 
 
 # ------------------------------------------------------------------- bytes

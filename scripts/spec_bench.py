@@ -10,6 +10,9 @@ read per query row; the default picks one of the two), v2_q1
 (one-token decode of each request's last token) and, when flashinfer and torch
 import, fa2 / fa3 (flashinfer.BatchPrefillWithPagedKVCacheWrapper, causal, on
 the same CUDA stream; a call that cannot be captured is timed with events).
+A cell whose K/V is under 256 MiB rotates every method's calls over copies of
+its caches (one table; at most --max-copies) so that no call reads K/V the L2
+still holds, as a server's next layer reads another cache.
 Every output is checked once first (outputs start as NaN) against v2's:
 max |a - b| / max |v2| <= 0.02. Methods take turns over --rounds rounds; the
 table gives median µs, v2's spread ((max - min) / median), v2 TB/s, v2 / v2_q1
@@ -45,11 +48,12 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace, as scripts/microben
 TOL = 2e-2  # max relative error allowed between two methods' outputs
 Q1_TARGET, Q1_MIN_KV = 1.15, 256 << 20  # target (a)
 NOISY_PCT = 10.0  # a method whose rounds spread more than this gets a note
-CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "v2_us", "v2_spread_pct", "v2_groups_us", "v2_rows_us", "v2_q1_us",
+MAX_COPIES = 64  # cache copies a small cell rotates over, at most (scripts/microbench.py's MAX_REPLICAS)
+CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct", "v2_groups_us", "v2_rows_us", "v2_q1_us",
                "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2", "max_rel_err_vs_fi", "note")
 SHOW_COLUMNS = CSV_COLUMNS[:5] + ("v2_tbps",) + CSV_COLUMNS[5:]
 #: the terminal table: short header per row key
-TEXT_COLUMNS = {"q_len": "q_len", "batch": "batch", "ctx": "ctx", "kv_mb": "KV MB", "v2_us": "v2 us", "v2_tbps": "TB/s",
+TEXT_COLUMNS = {"q_len": "q_len", "batch": "batch", "ctx": "ctx", "kv_mb": "KV MB", "copies": "copies", "v2_us": "v2 us", "v2_tbps": "TB/s",
                 "v2_spread_pct": "spread%", "v2_groups_us": "groups us", "v2_rows_us": "rows us", "v2_q1_us": "q1 us",
                 "ratio_q1": "v2/q1",
                 "fa2_us": "fa2 us", "fa3_us": "fa3 us", "fi_best_over_v2": "fi/v2", "max_rel_err_vs_fi": "rel err"}
@@ -106,7 +110,9 @@ def markdown_report(rows, gpu: str, date: str, command: str, commit: str | None 
     lines = ["# Speculative-decode shapes: cupaged vs FlashInfer paged prefill", "",
              f"GPU: {gpu}; date: {date}" + (f"; cupaged commit: {commit}" if commit else "")
              + (f"; FlashInfer: {peer}" if peer else ""),
-             f"Command: `{command}`", ""]
+             f"Command: `{command}`",
+             "Cache copies: a cell under 256 MiB of K/V rotates every method's calls over `copies` copies of its "
+             "caches (cold L2); 1 = one cache replayed.", ""]
     if not a:
         head = "not measured"
     else:
@@ -175,8 +181,9 @@ def on_cupy_stream(torch, fn):
 
 
 def flashinfer_calls(fi, table_t, kv_t, q, outs, ptr, notes: list) -> dict:
-    """One planned call per backend of ``fi`` (``notes`` gets the backends that fail)."""
-    (flashinfer, torch, workspaces), (k_t, v_t) = fi, kv_t
+    """One planned call per backend of ``fi``, rotating over the cache copies
+    ``kv_t`` (``notes`` gets the backends that fail)."""
+    flashinfer, torch, workspaces = fi
     qo = torch.tensor(ptr, dtype=torch.int32, device="cuda")
     q_t, calls = torch.from_dlpack(q), {}
     for backend in workspaces:
@@ -185,7 +192,8 @@ def flashinfer_calls(fi, table_t, kv_t, q, outs, ptr, notes: list) -> dict:
             w.plan(qo, *table_t, HQ, HKV, D, P, causal=True, q_data_type=torch.float16, kv_data_type=torch.float16)
             torch.cuda.synchronize()  # plan's copies ran on torch's stream, the calls run on cupy's
             o_t = torch.from_dlpack(outs[backend])
-            calls[backend] = on_cupy_stream(torch, lambda w=w, o_t=o_t: w.run(q_t, (k_t, v_t), out=o_t))
+            calls[backend] = _common.rotating([on_cupy_stream(torch, lambda w=w, o_t=o_t, kv=kv: w.run(q_t, kv, out=o_t))
+                                               for kv in kv_t])
         except Exception as e:
             notes.append(f"{backend}: {_short(e)}")
     return calls
@@ -221,14 +229,15 @@ def check_outputs(calls: dict, outs: dict, q_len: int, notes: list) -> tuple[dic
     return errs, failed
 
 
-def time_calls(calls: dict, rounds: int, notes: list) -> dict:
-    """{method: [µs per round]}; graph replay, CUDA events where capture fails."""
+def time_calls(calls: dict, rounds: int, notes: list, launches: int = 20) -> dict:
+    """{method: [µs per round]}; replays of a graph of ``launches`` calls,
+    CUDA events where capture fails."""
     from cupaged.testing import GraphTimer
 
     timers = {}
     for name, fn in calls.items():
         try:
-            timers[name] = GraphTimer(fn)
+            timers[name] = GraphTimer(fn, launches)
         except Exception as e:
             try:
                 timers[name] = EventTimer(fn)
@@ -244,8 +253,9 @@ def time_calls(calls: dict, rounds: int, notes: list) -> dict:
     return times
 
 
-def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int):
-    """Yield (row, spreads, failed) per q_len of one batch x ctx (one KV for all)."""
+def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int, max_copies: int = MAX_COPIES):
+    """Yield (row, spreads, failed) per q_len of one batch x ctx (one KV, and
+    its copies, for all)."""
     import cupy
     import numpy as np
 
@@ -253,13 +263,15 @@ def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int):
     from cupaged.testing import make_paged_batch
 
     b = make_paged_batch([ctx] * batch, HQ, HKV, D, "float16", page_size=P, seed=seed)
-    k, v, table = b.k_cache, b.v_cache, b.table
+    table = b.table
+    copies = _common.cache_copies(kv_bytes(batch, ctx), b.k_cache.nbytes + b.v_cache.nbytes, max_copies)
+    caches = [(b.k_cache, b.v_cache)] + [(b.k_cache.copy(), b.v_cache.copy()) for _ in range(copies - 1)]
     plan1 = cupaged.plan_decode(table, HQ, HKV, D, np.float16)
     if fi is not None:
         torch = fi[1]
         table_t = [torch.tensor(np.asarray(a), dtype=torch.int32, device="cuda")
                    for a in (table.indptr, table.indices, table.last_page_len)]
-        kv_t = (torch.from_dlpack(k), torch.from_dlpack(v))  # zero-copy views
+        kv_t = [(torch.from_dlpack(k), torch.from_dlpack(v)) for k, v in caches]  # zero-copy views
     for q_len in qlens:
         ptr = np.arange(batch + 1, dtype=np.int32) * q_len
         q = cupy.random.RandomState(seed + q_len).standard_normal((batch * q_len, HQ, D), dtype=cupy.float32)
@@ -270,21 +282,22 @@ def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int):
         calls, notes = {}, []
         for name, grouped in (("v2", None), ("v2_groups", True), ("v2_rows", False)):
             plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, qo_indptr=ptr, group_tokens=grouped)
-            calls[name] = lambda q=q, plan=plan, o=outs[name], ptr=ptr: cupaged.decode(
-                q, k, v, table, plan, out=o, qo_indptr=ptr)
-        calls["v2_q1"] = lambda q1=q1, o=outs["v2_q1"]: cupaged.decode(q1, k, v, table, plan1, out=o)
+            calls[name] = _common.rotating([lambda q=q, plan=plan, o=outs[name], ptr=ptr, k=k, v=v: cupaged.decode(
+                q, k, v, table, plan, out=o, qo_indptr=ptr) for k, v in caches])
+        calls["v2_q1"] = _common.rotating([lambda q1=q1, o=outs["v2_q1"], k=k, v=v: cupaged.decode(
+            q1, k, v, table, plan1, out=o) for k, v in caches])
         if fi is not None:
             calls.update(flashinfer_calls(fi, table_t, kv_t, q, outs, ptr, notes))
         # q, outs and the plans' uploads are on the legacy default stream, which the
         # non-blocking check and timing streams do not wait for
         cupy.cuda.Device().synchronize()
         errs, failed = check_outputs(calls, outs, q_len, notes)
-        times = time_calls(calls, rounds, notes)
+        times = time_calls(calls, rounds, notes, copies * math.ceil(20 / copies))  # every copy equally often
         failed |= any(n.startswith("v2") and n not in times for n in calls)
         spreads = {name: spread_pct(t) for name, t in times.items()}
         notes += [f"{n} noisy: spread {s:.0f}%" for n, s in spreads.items() if s > NOISY_PCT]
         fi_errs = [errs[n] for n in BACKENDS if n in errs]
-        row = {"q_len": q_len, "batch": batch, "ctx": ctx, "v2_spread_pct": spreads.get("v2"), "note": "; ".join(notes),
+        row = {"q_len": q_len, "batch": batch, "ctx": ctx, "copies": copies, "v2_spread_pct": spreads.get("v2"), "note": "; ".join(notes),
                "max_rel_err_vs_fi": max(fi_errs, key=lambda e: math.inf if math.isnan(e) else e, default=None)}
         row.update({f"{name}_us": statistics.median(t) for name, t in times.items()})
         yield finish_row(row), spreads, failed
@@ -299,6 +312,9 @@ def main(argv=None) -> int:
     p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
                    help="FlashInfer prefill backends to time (default fa2 fa3; each JIT-builds on first use)")
     p.add_argument("--seed", type=int, default=0, help="seed of the pages, caches and queries (default 0)")
+    p.add_argument("--max-copies", type=int, default=MAX_COPIES,
+                   help=f"cache copies a cell under 256 MiB of K/V rotates over, at most (default {MAX_COPIES}; "
+                        "1: one cache replayed, which the L2 may hold)")
     p.add_argument("--csv", help="write one row per cell to this CSV file")
     p.add_argument("--md", help="write a markdown report (GPU, date, command, targets, table) to this file")
     args = p.parse_args(argv)
@@ -307,8 +323,8 @@ def main(argv=None) -> int:
                                 ((args.qlen, QLENS), (args.batch, BATCHES), (args.ctx, CTXS)))
     except ValueError as e:
         p.error(f"--qlen, --batch and --ctx take integers: {e}")
-    if args.rounds < 1 or min(qlens + batches + ctxs) < 1:
-        p.error("--rounds, --qlen, --batch and --ctx must be >= 1")
+    if min(args.rounds, args.max_copies) < 1 or min(qlens + batches + ctxs) < 1:
+        p.error("--rounds, --max-copies, --qlen, --batch and --ctx must be >= 1")
     _common.require_gpu()
     import cupy
 
@@ -331,7 +347,7 @@ def main(argv=None) -> int:
     print(" ".join(f"{h:>9}" for h in TEXT_COLUMNS.values()))
     rows, failed = [], False
     for batch, ctx in itertools.product(batches, ctxs):
-        for row, spreads, bad in measure(batch, ctx, qlens, args.rounds, fi, args.seed):
+        for row, spreads, bad in measure(batch, ctx, qlens, args.rounds, fi, args.seed, args.max_copies):
             rows.append(row)
             failed |= bad
             print(" ".join(f"{_common.format_value(row.get(c)):>9}" for c in TEXT_COLUMNS))

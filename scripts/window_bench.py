@@ -39,8 +39,7 @@ HQ, HKV, D, P, ITEMSIZE = 32, 8, 128, 16, 2  # fp16
 CELLS = ((1, 32768), (8, 32768), (32, 32768))
 WINDOWS = (1024, 4096, 16384)
 FI_VARIANTS = (("fi_cc", False), ("fi_tc", True))
-ROTATE_BYTES = 256 << 20  # K/V a window's graph cycles through (cold L2)
-MAX_COPIES, MAX_COPY_BYTES = 16, 24 << 30
+MAX_COPIES = 16  # cache copies a cell rotates over (_common.cache_copies), at most
 SLACK_US = 5.0  # target (a)
 CSV_COLUMNS = ("batch", "ctx", "window", "copies", "plain_us", "v2_us", "v2_spread_pct", "expected_us",
                "v2_minus_expected_us", "fi_cc_us", "fi_tc_us", "fi_best_us", "fi_best_over_v2",
@@ -63,8 +62,8 @@ def window_kv_bytes(batch: int, ctx: int, window: int | None) -> int:
 
 def copies_for(batch: int, ctx: int, windows, pool_bytes: int) -> int:
     """Cache copies a cell's graphs rotate over: enough that its smallest
-    window cycles ROTATE_BYTES, at most MAX_COPIES, and at most
-    MAX_COPY_BYTES of pools (``pool_bytes``: one copy's K and V pools).
+    window cycles _common.ROTATE_BYTES, at most MAX_COPIES, and at most
+    _common.MAX_COPY_BYTES of pools (``pool_bytes``: one copy's K and V pools).
 
     >>> copies_for(1, 32768, [1024, 4096], 2 * 268435456)   # a 4.3 MB window: the cap, 16 pools of 537 MB
     16
@@ -74,9 +73,7 @@ def copies_for(batch: int, ctx: int, windows, pool_bytes: int) -> int:
     1
     """
     smallest = min(window_kv_bytes(batch, ctx, w) for w in windows) if windows else window_kv_bytes(batch, ctx, None)
-    want = -(-ROTATE_BYTES // max(smallest, 1))
-    fit = MAX_COPY_BYTES // max(pool_bytes, 1)
-    return int(max(1, min(want, MAX_COPIES, fit)))
+    return _common.cache_copies(smallest, pool_bytes, MAX_COPIES)
 
 
 def finish_row(row: dict) -> dict:
@@ -124,17 +121,6 @@ def markdown_report(rows, gpu: str, date: str, command: str, commit: str | None,
 
 
 # ------------------------------------------------------------------- GPU side
-def _rotating(fns):
-    """One callable that calls ``fns`` in turn (a graph of n calls captures
-    n consecutive copies)."""
-    state = [0]
-
-    def call():
-        fns[state[0] % len(fns)]()
-        state[0] += 1
-    return call
-
-
 def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
     """Yield one finished row per window of one cell."""
     import cupy
@@ -149,7 +135,7 @@ def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
     caches = [(b.k_cache, b.v_cache)] + [(b.k_cache.copy(), b.v_cache.copy()) for _ in range(copies - 1)]
     plain_plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16)
     plain_out = _common.nan_like(q)
-    plain = _rotating([lambda k=k, v=v: cupaged.decode(q, k, v, table, plain_plan, out=plain_out) for k, v in caches])
+    plain = _common.rotating([lambda k=k, v=v: cupaged.decode(q, k, v, table, plain_plan, out=plain_out) for k, v in caches])
     if fi is not None:
         flashinfer, torch, workspaces = fi
         dev = dict(dtype=torch.int32, device="cuda")
@@ -159,7 +145,7 @@ def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
     for w in windows:
         notes, outs = [], {name: _common.nan_like(q) for name in ("v2", *dict(FI_VARIANTS))}
         plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16, window_left=w)
-        calls = {"plain": plain, "v2": _rotating([
+        calls = {"plain": plain, "v2": _common.rotating([
             lambda k=k, v=v, o=outs["v2"]: cupaged.decode(q, k, v, table, plan, out=o, window_left=w)
             for k, v in caches])}
         if fi is not None:
@@ -171,7 +157,7 @@ def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
                                  kv_data_type=torch.float16)
                     torch.cuda.synchronize()
                     o_t = torch.from_dlpack(outs[name])
-                    calls[name] = _rotating([on_cupy_stream(torch, lambda kv=kv, wr=wrapper, o_t=o_t: wr.run(
+                    calls[name] = _common.rotating([on_cupy_stream(torch, lambda kv=kv, wr=wrapper, o_t=o_t: wr.run(
                         q_t, kv, out=o_t)) for kv in kv_t])
                 except Exception as e:
                     notes.append(f"{name}: {type(e).__name__}: {e}"[:160])

@@ -138,7 +138,7 @@ def test_markdown_report_met_and_no_commit():
 
 
 def test_csv_columns_and_rows(tmp_path):
-    assert bench.CSV_COLUMNS == ("q_len", "batch", "ctx", "kv_mb", "v2_us", "v2_spread_pct", "v2_groups_us",
+    assert bench.CSV_COLUMNS == ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct", "v2_groups_us",
                                  "v2_rows_us", "v2_q1_us", "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2",
                                  "max_rel_err_vs_fi", "note")
     row = bench.finish_row({"q_len": 4, "batch": 64, "ctx": 1024, "v2_us": 100.0, "v2_q1_us": 80.0,
@@ -159,15 +159,16 @@ def test_time_calls_warms_every_method_once_untimed(monkeypatch):
     log = []
 
     class FakeTimer:
-        def __init__(self, fn):
+        def __init__(self, fn, launches):
             self.name = fn()
+            assert launches == 24
 
         def time_us(self, reps):
             log.append((self.name, reps))
             return 1.0 if reps == 1 else float(len(log))
 
     monkeypatch.setattr(cupaged.testing, "GraphTimer", FakeTimer)
-    times = bench.time_calls({"a": lambda: "a", "b": lambda: "b"}, rounds=2, notes=[])
+    times = bench.time_calls({"a": lambda: "a", "b": lambda: "b"}, rounds=2, notes=[], launches=24)
     assert log[:2] == [("a", 1), ("b", 1)]
     assert log[2:] == [("a", bench.REPS), ("b", bench.REPS)] * 2
     assert times == {"a": [3.0, 5.0], "b": [4.0, 6.0]}
