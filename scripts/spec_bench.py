@@ -49,11 +49,12 @@ TOL = 2e-2  # max relative error allowed between two methods' outputs
 Q1_TARGET, Q1_MIN_KV = 1.15, 256 << 20  # target (a)
 NOISY_PCT = 10.0  # a method whose rounds spread more than this gets a note
 MAX_COPIES = 64  # cache copies a small cell rotates over, at most (scripts/microbench.py's MAX_REPLICAS)
-CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct", "v2_groups_us", "v2_rows_us", "v2_q1_us",
-               "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2", "max_rel_err_vs_fi", "note")
-SHOW_COLUMNS = CSV_COLUMNS[:5] + ("v2_tbps",) + CSV_COLUMNS[5:]
+CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct", "v2_groups_us", "v2_rows_us",
+               "v2_q1_us", "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2", "max_rel_err_vs_fi", "note")
+SHOW_COLUMNS = CSV_COLUMNS[:6] + ("v2_tbps",) + CSV_COLUMNS[6:]
 #: the terminal table: short header per row key
-TEXT_COLUMNS = {"q_len": "q_len", "batch": "batch", "ctx": "ctx", "kv_mb": "KV MB", "copies": "copies", "v2_us": "v2 us", "v2_tbps": "TB/s",
+TEXT_COLUMNS = {"q_len": "q_len", "batch": "batch", "ctx": "ctx", "kv_mb": "KV MB", "copies": "copies",
+                "v2_us": "v2 us", "v2_tbps": "TB/s",
                 "v2_spread_pct": "spread%", "v2_groups_us": "groups us", "v2_rows_us": "rows us", "v2_q1_us": "q1 us",
                 "ratio_q1": "v2/q1",
                 "fa2_us": "fa2 us", "fa3_us": "fa3 us", "fi_best_over_v2": "fi/v2", "max_rel_err_vs_fi": "rel err"}
@@ -192,8 +193,8 @@ def flashinfer_calls(fi, table_t, kv_t, q, outs, ptr, notes: list) -> dict:
             w.plan(qo, *table_t, HQ, HKV, D, P, causal=True, q_data_type=torch.float16, kv_data_type=torch.float16)
             torch.cuda.synchronize()  # plan's copies ran on torch's stream, the calls run on cupy's
             o_t = torch.from_dlpack(outs[backend])
-            calls[backend] = _common.rotating([on_cupy_stream(torch, lambda w=w, o_t=o_t, kv=kv: w.run(q_t, kv, out=o_t))
-                                               for kv in kv_t])
+            calls[backend] = _common.rotating([
+                on_cupy_stream(torch, lambda w=w, o_t=o_t, kv=kv: w.run(q_t, kv, out=o_t)) for kv in kv_t])
         except Exception as e:
             notes.append(f"{backend}: {_short(e)}")
     return calls
@@ -297,7 +298,8 @@ def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int, max_copies:
         spreads = {name: spread_pct(t) for name, t in times.items()}
         notes += [f"{n} noisy: spread {s:.0f}%" for n, s in spreads.items() if s > NOISY_PCT]
         fi_errs = [errs[n] for n in BACKENDS if n in errs]
-        row = {"q_len": q_len, "batch": batch, "ctx": ctx, "copies": copies, "v2_spread_pct": spreads.get("v2"), "note": "; ".join(notes),
+        row = {"q_len": q_len, "batch": batch, "ctx": ctx, "copies": copies, "v2_spread_pct": spreads.get("v2"),
+               "note": "; ".join(notes),
                "max_rel_err_vs_fi": max(fi_errs, key=lambda e: math.inf if math.isnan(e) else e, default=None)}
         row.update({f"{name}_us": statistics.median(t) for name, t in times.items()})
         yield finish_row(row), spreads, failed

@@ -135,7 +135,8 @@ def measure(batch: int, ctx: int, windows, rounds: int, fi, seed: int):
     caches = [(b.k_cache, b.v_cache)] + [(b.k_cache.copy(), b.v_cache.copy()) for _ in range(copies - 1)]
     plain_plan = cupaged.plan_decode(table, HQ, HKV, D, np.float16)
     plain_out = _common.nan_like(q)
-    plain = _common.rotating([lambda k=k, v=v: cupaged.decode(q, k, v, table, plain_plan, out=plain_out) for k, v in caches])
+    plain = _common.rotating([lambda k=k, v=v: cupaged.decode(q, k, v, table, plain_plan, out=plain_out)
+                              for k, v in caches])
     if fi is not None:
         flashinfer, torch, workspaces = fi
         dev = dict(dtype=torch.int32, device="cuda")

@@ -138,9 +138,10 @@ def test_markdown_report_met_and_no_commit():
 
 
 def test_csv_columns_and_rows(tmp_path):
-    assert bench.CSV_COLUMNS == ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct", "v2_groups_us",
-                                 "v2_rows_us", "v2_q1_us", "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2",
-                                 "max_rel_err_vs_fi", "note")
+    assert bench.CSV_COLUMNS == ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct",
+                                 "v2_groups_us", "v2_rows_us", "v2_q1_us", "ratio_q1", "fa2_us", "fa3_us", "fi_best_us",
+                                 "fi_best_over_v2", "max_rel_err_vs_fi", "note")
+    assert bench.SHOW_COLUMNS[bench.SHOW_COLUMNS.index("v2_us") + 1] == "v2_tbps"  # the report's TB/s beside its time
     row = bench.finish_row({"q_len": 4, "batch": 64, "ctx": 1024, "v2_us": 100.0, "v2_q1_us": 80.0,
                             "v2_spread_pct": 1.5, "fa2_us": 150.0, "note": "fa3: unavailable"})
     path = tmp_path / "out.csv"
