@@ -107,6 +107,13 @@ be rerun without hand-editing a tree:
   docs/benchmarks/lazy-rescale-ab-h200-2026-12-04.log): lazy 0.4-1.2 %
   faster on multi-token cells, one-token within 0.3 %.
 
+* ``lazy_rescale_cols`` (issue 20, thirty-fourth session, prepared, not yet
+  timed): the landed lazy rescale in ColsTile (fp8 KV) as well: a column's
+  running max moves only when a tile's max passes it by more than 8 (log2
+  units), so P <= 2^8 (f16 A fragments) and the O rescale runs only then.
+  NVRTC sm_90: the fp8 partial instances at head_dim 128 keep their 152-156
+  registers, no spills.
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -540,6 +547,13 @@ _EAGER_RESCALE = [
      """      m_new[h] = fmaxf(m[h], mx);  // variant eager_rescale"""),
 ]
 
+# lazy_rescale_cols (issue 20, thirty-fourth session): the lazy rescale in ColsTile (fp8 KV)
+_LAZY_RESCALE_COLS = [
+    ("attend_mma.cuh",
+     """    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);""",
+     """    const float mn0 = mx0 > m0 + 8.f ? mx0 : m0, mn1 = mx1 > m1 + 8.f ? mx1 : m1;  // variant lazy_rescale_cols"""),
+]
+
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
     "padded": _PADDED,
@@ -561,6 +575,7 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "merge_items4": _MERGE_ITEMS4,
     "pair_step2": _PAIR_STEP2,
     "eager_rescale": _EAGER_RESCALE,
+    "lazy_rescale_cols": _LAZY_RESCALE_COLS,
     "copy_u32": _COPY_U32,
     "vector_emit": _VECTOR_EMIT,
 }
