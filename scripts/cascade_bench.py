@@ -455,7 +455,7 @@ def main(argv=None) -> int:
     try:
         rows, failures, notes = measure(args, stream, flashinfer)
     finally:
-        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
+        _common.free_gpu_memory(microbench.peer_torch(flashinfer))
     _common.write_csv(csv_path, CSV_COLUMNS, rows)
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(markdown_report(rows, meta, args, notes + [f"failure: {f}" for f in failures]))

@@ -123,7 +123,7 @@ METHODS = ("gather", "v1", "v2", "flashinfer")
 CUPAGED_METHODS = ("gather", "v1", "v2")
 FLASHINFER_VARIANTS = (("cuda_cores", False), ("tensor_cores", True))
 GRAPH_CALLS = 20  # calls captured per graph (at least; a multiple of replicas)
-ROTATE_BYTES = 256 << 20  # rotate copies until this much visible KV is cycled
+ROTATE_BYTES = _common.ROTATE_BYTES  # rotate copies until this much visible KV is cycled
 MAX_REPLICAS = 64
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
 
@@ -732,11 +732,12 @@ def estimate_cell_s(cell: dict, args: argparse.Namespace, jit_pending: bool) -> 
 def num_replicas(kv_bytes: int) -> int:
     """Independent cache copies to rotate through so that the visible KV
     cycled per round reaches :data:`ROTATE_BYTES` (1 when one copy does)."""
-    return max(1, min(MAX_REPLICAS, math.ceil(ROTATE_BYTES / max(kv_bytes, 1))))
+    return _common.cache_copies(kv_bytes, 0, MAX_REPLICAS)  # (the suite checks its pools' memory itself)
 
 
 def graph_calls(replicas: int) -> int:
-    """Calls per captured graph: at least GRAPH_CALLS, a multiple of replicas."""
+    """Calls per captured graph: at least GRAPH_CALLS, a multiple of replicas
+    (every copy equally often)."""
     return replicas * math.ceil(GRAPH_CALLS / replicas)
 
 
@@ -1179,7 +1180,12 @@ def run_cell(
     try:
         return _measure_cell(cell, args, stream, flashinfer)
     finally:
-        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
+        _common.free_gpu_memory(peer_torch(flashinfer))
+
+
+def peer_torch(flashinfer: FlashInfer | None):
+    """The FlashInfer peer's torch when it runs (its cache is freed with ours), else None."""
+    return flashinfer.torch if flashinfer is not None and flashinfer.available else None
 
 
 def pool_bytes(layout: _common.BatchLayout, num_kv_heads: int, head_dim: int, itemsize: int, replicas: int) -> int:
@@ -1393,7 +1399,7 @@ def run_fp8_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: Flash
     try:
         return _measure_fp8_cell(cell, args, stream, flashinfer)
     finally:
-        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
+        _common.free_gpu_memory(peer_torch(flashinfer))
 
 
 def _best_flashinfer(results: dict, prefix: str) -> tuple[str | None, dict | None]:
@@ -2121,7 +2127,7 @@ def run_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: Fl
     try:
         return _measure_ragged_cell(cell, args, stream, flashinfer)
     finally:
-        _common.free_gpu_memory(flashinfer.torch if flashinfer is not None and flashinfer.available else None)
+        _common.free_gpu_memory(peer_torch(flashinfer))
 
 
 def _measure_ragged_cell(cell: dict, args: argparse.Namespace, stream, flashinfer: FlashInfer | None):

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common  # noqa: E402
+import microbench  # noqa: E402
 
 HQ, HKV, D, P, ITEMSIZE = 32, 8, 128, 16, 2  # fp16
 QLENS, BATCHES, CTXS = (2, 4, 8), (1, 8, 64), (1024, 8192, 32768)
@@ -48,7 +49,7 @@ WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace, as scripts/microben
 TOL = 2e-2  # max relative error allowed between two methods' outputs
 Q1_TARGET, Q1_MIN_KV = 1.15, 256 << 20  # target (a)
 NOISY_PCT = 10.0  # a method whose rounds spread more than this gets a note
-MAX_COPIES = 64  # cache copies a small cell rotates over, at most (scripts/microbench.py's MAX_REPLICAS)
+MAX_COPIES = microbench.MAX_REPLICAS  # cache copies a small cell rotates over, at most (64, as microbench)
 CSV_COLUMNS = ("q_len", "batch", "ctx", "kv_mb", "copies", "v2_us", "v2_spread_pct", "v2_groups_us", "v2_rows_us",
                "v2_q1_us", "ratio_q1", "fa2_us", "fa3_us", "fi_best_us", "fi_best_over_v2", "max_rel_err_vs_fi", "note")
 SHOW_COLUMNS = CSV_COLUMNS[:6] + ("v2_tbps",) + CSV_COLUMNS[6:]
@@ -230,7 +231,7 @@ def check_outputs(calls: dict, outs: dict, q_len: int, notes: list) -> tuple[dic
     return errs, failed
 
 
-def time_calls(calls: dict, rounds: int, notes: list, launches: int = 20) -> dict:
+def time_calls(calls: dict, rounds: int, notes: list, launches: int = microbench.GRAPH_CALLS) -> dict:
     """{method: [µs per round]}; replays of a graph of ``launches`` calls,
     CUDA events where capture fails."""
     from cupaged.testing import GraphTimer
@@ -293,7 +294,7 @@ def measure(batch: int, ctx: int, qlens, rounds: int, fi, seed: int, max_copies:
         # non-blocking check and timing streams do not wait for
         cupy.cuda.Device().synchronize()
         errs, failed = check_outputs(calls, outs, q_len, notes)
-        times = time_calls(calls, rounds, notes, copies * math.ceil(20 / copies))  # every copy equally often
+        times = time_calls(calls, rounds, notes, microbench.graph_calls(copies))
         failed |= any(n.startswith("v2") and n not in times for n in calls)
         spreads = {name: spread_pct(t) for name, t in times.items()}
         notes += [f"{n} noisy: spread {s:.0f}%" for n, s in spreads.items() if s > NOISY_PCT]
