@@ -1084,9 +1084,15 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
         c = choose_pages_per_chunk(pages, grid_y, target)
     else:
         page_bytes = page_size * 2 * d * kv_dt.itemsize
+        resident = held
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
             pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows, fewer, d)
-        c = None
+        split = _split(pages, max_pages_per_chunk, True, longest_request)
+        if not rows and kv_dt.itemsize == 2 and d == 128 and held == resident:  # (where it was measured)
+            n = schedule.fill_waves(pages, split[1], split[0], grid_y, held * sms, page_bytes)
+            if n is not None:
+                split = _split_into(pages, n, max_pages_per_chunk)
+        return (target, *split, held)
     if c is None:
         return (target, *_split(pages, max_pages_per_chunk, True, longest_request), held)
     return (target, *_split(pages, c, False, longest_request), held)
@@ -1128,6 +1134,18 @@ def _split(pages: np.ndarray, cap: int, balanced: bool,
     # with fewer than 2 chunks a request, some request is unsplit: its chunk, the cap, is the largest
     longest = cap if units < 2 * batch else int(np.maximum.reduce(chunk_pages))
     return chunk_pages, chunks, units, longest
+
+
+def _split_into(pages: np.ndarray, chunks: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """:func:`_split`'s result for ``chunks`` chunks per request (>= 1 each),
+    made equal (``ceil(p / n)`` pages, then the count that size gives); an
+    unsplit request's chunk is ``cap``, as in :func:`_split`."""
+    p = pages.astype(np.int64)
+    size = np.maximum(-(-p // chunks), 1)
+    n = np.maximum(-(-p // size), 1)
+    size = np.where(n == 1, np.maximum(p, cap), size)
+    chunk_pages, n = size.astype(pages.dtype), n.astype(pages.dtype)
+    return chunk_pages, n, int(n.sum()), int(chunk_pages.max())
 
 
 def _readonly_one(dtype: type) -> np.ndarray:

@@ -173,6 +173,62 @@ def residency_choices(kv_itemsize: int, resident: int, head_dim: int = 128) -> t
     return (resident,)
 
 
+#: A one-wave 16-bit plan whose longest chunk reads at least this many bytes
+#: per CTA is re-split into two waves (:func:`fill_waves`); a batch of one at
+#: :data:`FILL_ONE_BYTES` into every slot of one wave.
+FILL_TWO_BYTES = 4 << 20
+FILL_ONE_BYTES = 2 << 20
+
+
+def fill_waves(pages: np.ndarray, chunks: np.ndarray, chunk_pages: np.ndarray, ctas_per_chunk: int, slots: int,
+               page_bytes: int) -> np.ndarray | None:
+    """Per-request chunk counts that fill the CTA slots, or None to keep the
+    split (the model's pick: ``chunks`` of ``chunk_pages`` pages per request,
+    an unsplit request's chunk the cap). Why: a one-wave grid of equal CTAs that leaves slots idle streams
+    below what the same bytes in full waves do, and the model cannot say so
+    (it sees one makespan). Measured on the H200 (2026-12-04, fp16 head_dim
+    128, interleaved against the model's plans; docs/architecture.md "Full
+    waves for large one-wave plans"): two waves of ``2 * (slots //
+    ctas_per_chunk)`` chunks 0.6-0.9 % faster at 4 MB chunks and more (4 x
+    131072, 8 x 32768, 32 x 16384, 32 x 32768), slower below (4 x 32768, 8 x
+    16384: -0.3 to -0.8 %); one request in ``slots // ctas_per_chunk`` chunks
+    1.3 % faster at 2 MB chunks (1 x 131072).
+
+    The chunks go to the requests in proportion to their pages (largest
+    remainder, at least one each), so a uniform batch gets equal chunks. Only
+    where the slots are a whole number of chunks' CTAs (MHA's 32 CTAs a chunk
+    leave 8 of 264 idle either way).
+
+    >>> fill_waves(np.array([2048] * 8), np.array([4] * 8), np.array([512] * 8), 8, 264, 8192).tolist()
+    [9, 9, 8, 8, 8, 8, 8, 8]
+    >>> fill_waves(np.array([8192]), np.array([32]), np.array([256]), 8, 264, 8192).tolist()
+    [33]
+    >>> fill_waves(np.array([2048] * 4), np.array([8] * 4), np.array([256] * 4), 8, 264, 8192) is None  # 2 MB
+    True
+    """
+    per_wave = slots // ctas_per_chunk
+    units = int(chunks.sum())
+    batch = pages.shape[0]
+    if units * ctas_per_chunk > slots or per_wave < 1 or slots % ctas_per_chunk:  # (waves it cannot fill)
+        return None
+    chunk_bytes = int(np.minimum(chunk_pages, pages).max()) * page_bytes  # the most a CTA reads
+    if chunk_bytes >= FILL_TWO_BYTES:
+        target = 2 * per_wave
+    elif chunk_bytes >= FILL_ONE_BYTES and batch == 1:
+        target = per_wave
+    else:
+        return None
+    total = float(pages.sum())
+    if target <= units or batch > target or total <= 0:
+        return None
+    share = pages.astype(np.float64) * (target / total)
+    n = np.maximum(np.floor(share), 1).astype(np.int64)
+    rest = target - int(n.sum())
+    if rest > 0:  # the largest remainders (ties: the earlier request) get one more
+        n[np.argsort(-(share - n), kind="stable")[:rest]] += 1
+    return n
+
+
 #: Even splits of the longest request that the candidate ladder lists one by one.
 SPLITS = 32
 

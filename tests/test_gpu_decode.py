@@ -83,6 +83,20 @@ def test_both_cores_match_reference(core, dtype, head_dim, monkeypatch):
         check(out, lse, ref_out, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("seq_len", [16384, 12000])
+def test_full_wave_plans_match_reference(seq_len, monkeypatch):
+    # schedule.fill_waves's plans: one request on a device the plan thinks has 4 SMs (8 slots), whose one-wave
+    # split of 4+ MB chunks goes to two waves (the second chunk shorter at 12000 tokens)
+    dev, table, host = batch(40, [seq_len])
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=4)
+    monkeypatch.setattr(cupaged.schedule, "fill_waves", lambda *a: None)
+    one_wave = cupaged.plan_decode(table, 32, 8, 128, np.float16, num_sms=4)
+    assert one_wave.num_ctas == 8 and (plan.num_ctas, plan.needs_merge) == (16, True)
+    out, lse = run("v2", *dev, table, plan)
+    ref_out, ref_lse = reference.decode(*host, table)
+    check(out, lse, ref_out, ref_lse, np.float16)
+
+
 def test_single_chunk_and_merged_agree():
     dev, table, host = batch(2, RAGGED_LENS)
     a, _ = run("v2", *dev, table, cupaged.plan_decode(table, 32, 8, 128, np.float16, target_ctas=1))

@@ -583,8 +583,19 @@ def test_default_plan_splits_the_long_request_of_a_ragged_batch():
     # uniform batches: wave-aligned even splits, or none when the batch fills the device
     assert plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 4), 32, 8, 128, "float16",
                        num_sms=132).num_ctas == 256
-    assert plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 32), 32, 8, 128, "float16",
+    assert plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 128), 32, 8, 128, "float16",
                        num_sms=132).request_chunks.max() == 1
+    # ... except one wave of CTAs that read >= 4 MB each (32 x 2048 pages: 8 MB unsplit), which goes to two
+    # full waves (schedule.fill_waves): 66 chunks of 8 CTAs on 132 SMs x 2
+    p = plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 32), 32, 8, 128, "float16", num_sms=132)
+    assert p.num_ctas == 528 and sorted(set(p.request_chunks.tolist())) == [2, 3]
+    assert (p.request_chunk_pages * p.request_chunks >= 2048).all() and p.pages_per_chunk == 1024
+    # and a lone request of >= 2 MB chunks into one full wave: 8192 pages in 33 chunks of 249
+    p = plan_decode(table_from_pages(np.random.default_rng(2), [8192]), 32, 8, 128, "float16", num_sms=132)
+    assert (p.num_ctas, p.pages_per_chunk) == (264, 249)
+    # not at head_dim 64 (not measured there)
+    assert plan_decode(table_from_pages(np.random.default_rng(2), [2048] * 32), 32, 8, 64, "float16",
+                       num_sms=132).num_ctas < 528
     # never below MIN_CHUNK_TOKENS (capped at the longest request)
     assert plan_decode(table_from_pages(np.random.default_rng(2), [64]), 32, 8, 128, "float16",
                        num_sms=132).pages_per_chunk >= 8

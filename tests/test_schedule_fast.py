@@ -101,6 +101,32 @@ def ref_split_pages(pages, cap):
     return np.maximum(1, -(-pages // chunks)), chunks
 
 
+def ref_fill_waves(pages, req_chunks, chunk_pages, grid_y, slots, page_bytes, cap):
+    """schedule.fill_waves and plan._split_into, plainly: a one-wave split
+    whose CTAs read >= 4 MB goes to two waves' worth of chunks (>= 2 MB, one
+    request: one wave's), handed out in proportion to the pages."""
+    per_wave = slots // grid_y
+    if req_chunks.sum() * grid_y > slots or slots % grid_y:
+        return req_chunks, chunk_pages
+    most = max(min(int(c), int(p)) for c, p in zip(chunk_pages, pages)) * page_bytes
+    if most >= 4 * 2**20:
+        target = 2 * per_wave
+    elif most >= 2 * 2**20 and len(pages) == 1:
+        target = per_wave
+    else:
+        return req_chunks, chunk_pages
+    if target <= req_chunks.sum() or len(pages) > target:
+        return req_chunks, chunk_pages
+    share = [p * target / pages.sum() for p in pages]
+    n = [max(1, int(np.floor(x))) for x in share]
+    for i in sorted(range(len(n)), key=lambda i: -(share[i] - n[i]))[:max(0, target - sum(n))]:
+        n[i] += 1
+    size = [max(1, -(-int(p) // k)) for p, k in zip(pages, n)]
+    n = [max(1, -(-int(p) // z)) for p, z in zip(pages, size)]
+    size = [max(int(p), int(cap)) if k == 1 else z for p, k, z in zip(pages, n, size)]
+    return np.array(n, dtype=np.int64), np.array(size, dtype=np.int64)
+
+
 def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=False, pages_per_chunk=None,
                     max_pages_per_chunk=None, target_ctas=None, num_sms=None):
     """Every DecodePlan field of ``plan_decode`` (valid arguments only)."""
@@ -114,6 +140,7 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
     grid_y = hkv * q_groups
     target = resolve_target_ctas(target_ctas, num_sms)
     c = None
+    best = None
     if pages_per_chunk is not None:
         c = pages_per_chunk
     elif max_pages_per_chunk is not None:
@@ -142,10 +169,15 @@ def ref_plan_fields(table, hq, hkv, d, dtype, *, kv_dtype=None, deterministic=Fa
             t = ref_predict_step_us(pages, np.array([cap]), grid_y, count * sms, page_bytes, costs)[0]
             if best is None or t < best[0]:
                 best = (t, count, cap)
+        resident = held
         _, held, max_pages_per_chunk = best
     if c is None:
         chunk_pages, req_chunks = ref_split_pages(pages, max_pages_per_chunk)
         chunk_pages = np.where(req_chunks == 1, max_pages_per_chunk, chunk_pages)  # unsplit: the cap
+        if (pages_per_chunk is None and max_pages_per_chunk is not None and best is not None and held == resident
+                and kv_dt.itemsize == 2 and d == 128):
+            req_chunks, chunk_pages = ref_fill_waves(pages, req_chunks, chunk_pages, grid_y, held * sms,
+                                                     page_bytes, max_pages_per_chunk)
     else:
         req_chunks = np.maximum(1, -((-pages) // c))
         chunk_pages = np.full(batch, c, dtype=np.int64)
