@@ -19,7 +19,7 @@ prints ptxas's report (no GPU needed; the CPU test does this).
 
 ``--small MB ...`` measures instead what a small launch costs beyond its
 bytes (issue 20's "<= bytes / roofline + 4 us" target): a CUDA graph of
-``--layers`` back-to-back int4 reads, each of its own buffer of that size
+``--layers`` back-to-back reads (int4, then bulk per ``--chunk-kb``), each of its own buffer of that size
 (cold L2, like a model's layers, while ``--layers`` x MB is well beyond the
 60 MB L2), and the same graph of empty kernels; per
 launch: GPU time, and time minus bytes / ``--roofline-tbps``. A plain read
@@ -208,6 +208,7 @@ def small_launches(args) -> int:
 
     module = cupy.RawModule(code=source(args.unroll), options=("-std=c++17",))
     read_int4, empty = module.get_function("read_int4"), module.get_function("empty_kernel")
+    read_bulk = module.get_function("read_bulk")
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     sink = cupy.zeros(1, cupy.uint32)
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -245,6 +246,18 @@ def small_launches(args) -> int:
             rows.append(("int4", per_sm, mb, us, us - floor, spread))
             print(f"read {mb:g} MB, {per_sm} CTAs/SM: {us:.2f} us per launch, floor {floor:.2f}, "
                   f"over {us - floor:.2f} us (spread {spread:.1f} %)")
+            for kb in args.chunk_kb:  # the bulk reader over the same buffers (its whole chunks)
+                chunk = kb * 1024
+                chunks, smem = nbytes // chunk, STAGES * chunk
+                read_bulk.max_dynamic_shared_size_bytes = smem
+                grid = min(sms * per_sm, chunks)
+                us, spread = per_launch_us(lambda i: read_bulk((grid,), (128,), (bufs[i], cupy.int64(chunks),
+                                                                                  cupy.int32(chunk), sink),
+                                                               shared_mem=smem))
+                floor = chunks * chunk / (args.roofline_tbps * 1e6)
+                rows.append((f"bulk{kb}", per_sm, mb, us, us - floor, spread))
+                print(f"bulk {kb} KB read {mb:g} MB, {per_sm} CTAs/SM: {us:.2f} us per launch, floor {floor:.2f}, "
+                      f"over {us - floor:.2f} us, {chunks * chunk / us / 1e6:.3f} TB/s (spread {spread:.1f} %)")
         bufs.clear()  # frees this size's buffers before the next
     if args.csv:
         with open(args.csv, "w") as f:
