@@ -114,6 +114,21 @@ be rerun without hand-editing a tree:
   NVRTC sm_90: the fp8 partial instances at head_dim 128 keep their 152-156
   registers, no spills.
 
+* ``early_ticket`` (issue 20, thirty-fifth session; timed, not kept): a split
+  CTA arrives with an acquire atomic that does not wait for its own partials,
+  and only a CTA that is not last then releases them (``red.release`` of
+  1 << 16 on the same counter); the last to arrive waits for the others'
+  marks. Meant to take the last CTA's path from three L2 round trips to two;
+  on the H200 it was 1-10 % slower on every split small cell (1 x 1024 5.38 ->
+  5.93 us; docs/benchmarks/waves-h200-2026-12-04.md).
+
+* ``cta_stamps`` (issue 20, thirty-fifth session; a probe with right output):
+  per-CTA ``%globaltimer`` stamps of the one-token kernel (entry, after
+  ``griddepcontrol.wait``, attention done, exit) and SM ids in a
+  ``__device__`` array that ``scripts/cta_timeline.py`` reads back: how a
+  grid's CTAs end (a one-wave grid's equal CTAs end 15-20 % apart) and where
+  a small call's time goes.
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -487,6 +502,69 @@ _FENCED_TICKET = [
      "  if (!is_last) return;\n  __threadfence();  // acquire\n"),
 ]
 
+# early_ticket (issue 20, thirty-fifth session): a split CTA arrives with an acquire atomic that does not wait for
+# its own partials (the last to arrive never needs them), and only a CTA that is not last then releases them (a
+# red.release of 1 << 16 on the same counter); the last waits for n - 1 such marks (usually already there), so its
+# path is two L2 round trips (arrive, loads) instead of three (store acks, ticket, loads). Requests of 2**15
+# chunks or more keep the acq_rel ticket.
+_EARLY_TICKET = [
+    ("paged_decode_partial.cu",
+     "  if (threadIdx.x == 0) {\n    int ticket;\n" + _TICKET_ASM + "    is_last = ticket == num_chunks - 1;\n  }\n",
+     "  if (threadIdx.x == 0) {  // variant early_ticket\n"
+     "    if (num_chunks < (1 << 15)) {\n"
+     "      unsigned v;\n"
+     '      asm volatile("atom.add.acquire.gpu.u32 %0, [%1], 1;" : "=r"(v) : "l"(counter) : "memory");\n'
+     "      if ((v & 0xffffu) + 1 < (unsigned)num_chunks) {\n"
+     '        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(1u << 16) : "memory");\n'
+     "        is_last = 0;\n"
+     "      } else {\n"
+     "        while ((v >> 16) < (unsigned)num_chunks - 1)\n"
+     '          asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");\n'
+     "        is_last = 1;\n"
+     "      }\n"
+     "    } else {\n"
+     "      int ticket;\n"
+     "  " + _TICKET_ASM +
+     "      is_last = ticket == num_chunks - 1;\n"
+     "    }\n"
+     "  }\n"),
+]
+
+# cta_stamps (issue 20, thirty-fifth session; a probe, the output is right): per-CTA %globaltimer stamps of the
+# one-token kernel in a __device__ array cupaged_probe[5][16384] (row 0 entry, 1 attention done, 2 exit, 3 the SM
+# id, 4 after griddepcontrol.wait), read back by scripts/cta_timeline.py
+_CTA_STAMPS = [
+    ("paged_decode_partial.cu", '#include "merge.cuh"\n',
+     '#include "merge.cuh"\n\n'
+     "// variant cta_stamps: per-CTA stamps, [0] entry, [1] attention done, [2] exit, [3] SM id, [4] after the wait\n"
+     "__device__ unsigned long long cupaged_probe[5][16384];\n"
+     "__device__ __forceinline__ void probe_mark(int k) {\n"
+     "  if (threadIdx.x == 0 && blockIdx.x < 16384) {\n"
+     "    unsigned long long t;\n"
+     '    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));\n'
+     "    cupaged_probe[k][blockIdx.x] = t;\n"
+     "    if (k == 0) {\n"
+     "      unsigned sm;\n"
+     '      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));\n'
+     "      cupaged_probe[3][blockIdx.x] = sm;\n"
+     "    }\n"
+     "  }\n"
+     "}\n"),
+    ("paged_decode_partial.cu", "  typename Attn::Scratch& sm = Attn::scratch();\n",
+     "  typename Attn::Scratch& sm = Attn::scratch();\n  probe_mark(0);\n"),
+    ("paged_decode_partial.cu", "  pdl_wait();\n", "  pdl_wait();\n  probe_mark(4);\n"),
+    ("paged_decode_partial.cu", "                                indices, page_size, slot_begin, slot_end);\n      return;\n",
+     "                                indices, page_size, slot_begin, slot_end);\n"
+     "      probe_mark(1);\n      probe_mark(2);\n      return;\n"),
+    ("paged_decode_partial.cu", "                              indices, page_size, slot_begin, slot_end);\n  } else {\n",
+     "                              indices, page_size, slot_begin, slot_end);\n    probe_mark(1);\n  } else {\n"),
+    ("paged_decode_partial.cu", "  if (!is_last) return;  // from here on",
+     "  if (!is_last) {\n    probe_mark(2);\n    return;\n  }  // from here on"),
+    ("paged_decode_partial.cu",
+     "  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)\n",
+     "  if (threadIdx.x == 0) *counter = 0;  // ready for the next launch (or graph replay)\n  probe_mark(2);\n"),
+]
+
 #: name -> its edits: (file, old text, new text), every occurrence of old replaced
 # copy_u32 (issues 18/20, twenty-eighth session; timed in the twenty-ninth: within 1.3 %, not kept): the 16-bit
 # whole-tile copy with a page-16 advance and 32-bit page-offset products
@@ -568,6 +646,8 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
                   "  // Release this CTA's partials, then take a ticket; the last one merges. One\n",
                   "  return;  // variant no_merge (a probe: the output is wrong)\n")],
     "fenced_ticket": _FENCED_TICKET,
+    "early_ticket": _EARLY_TICKET,
+    "cta_stamps": _CTA_STAMPS,
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,

@@ -1554,3 +1554,36 @@ def test_host_profile_times_the_hot_path_without_a_gpu(capsys):
     from cupaged._plan_launch import PLAN_STATES
 
     assert not any(s.last is not None and s.last.function == 1 for s in PLAN_STATES.values())  # removed after
+
+
+# ------------------------------------------------------------- cta_timeline
+
+
+def test_cta_timeline_reads_a_call_from_its_stamps():
+    cta_timeline = importlib.import_module("cta_timeline")
+    assert cta_timeline.parse_cell("8x32768") == (8, 32768)
+    for bad in ("8", "8x", "0x16", "8x16x2", "ax16"):
+        with pytest.raises(ValueError, match="BATCHxCTX"):
+            cta_timeline.parse_cell(bad)
+    # 4 CTAs, 3 SMs (SM 0 holds two): released at 1 and 1.1 us, attention done at 3, 3.5, 4, 5, the last exits
+    # at 6 after merging; 6 us per call
+    s = np.zeros((cta_timeline.ROWS, 8), dtype=np.int64)
+    s[cta_timeline.RELEASED, :4] = [1000, 1000, 1100, 1100]
+    s[cta_timeline.ATTENDED, :4] = [3000, 3500, 4000, 5000]
+    s[cta_timeline.EXIT, :4] = [3000, 3500, 4000, 6000]
+    s[cta_timeline.SM, :4] = [0, 0, 1, 2]
+    s[:, 4:] = 10**9  # past num_ctas: ignored
+    r = cta_timeline.summarize(s, 4, 6.0)
+    assert r["release_spread"] == pytest.approx(0.1) and r["attention_last"] == 4.0 and r["exit"] == 5.0
+    assert (r["merge"], r["gap"], r["attention_median"]) == (1.0, 1.0, 2.75)
+    assert (r["lone_median"], r["shared_median"]) == (3.5, 2.25)
+    s[cta_timeline.SM, :4] = [0, 0, 1, 1]  # every SM holds two: no lone CTAs
+    assert math.isnan(cta_timeline.summarize(s, 4, 6.0)["lone_median"])
+
+
+@pytest.mark.skipif("_gpu_present()", reason="this machine has a GPU")
+def test_cta_timeline_exit_codes():
+    res = _run("scripts/cta_timeline.py", "1x1024")
+    assert res.returncode == 3 and "no CUDA GPU" in res.stderr, res.stdout + res.stderr
+    assert _run("scripts/cta_timeline.py", "1x").returncode == 2
+    assert _run("scripts/cta_timeline.py", "1x1024", "--layers", "0").returncode == 2
