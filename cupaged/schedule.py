@@ -29,6 +29,11 @@ the fit are in docs/architecture.md, "Ragged batches: balanced units"):
   ``merge_us + merge_us_per_chunk * n`` for the request with most chunks
   (the longest: chunk counts grow with the length).
 
+One thing the model cannot see is re-split after it: a one-wave 16-bit grid
+of CTAs that each read 4 MB or more goes to two full waves
+(:func:`fill_waves`; a one-wave grid of equal CTAs streams slower when it
+leaves slots empty, and its CTAs end up to 18 % of the call apart).
+
 Everything here is NumPy on the host.
 """
 
