@@ -19,6 +19,8 @@ before it had finished:
 * ``exit``: when the last CTA left (a split request's last CTA merges first:
   ``merge`` = exit - last attention);
 * ``gap``: µs per call minus (exit - release), the time between calls;
+* ``release spread``: when the last CTA passed the wait (a grid of more than
+  one wave: when its last wave started);
 * for grids with SMs holding fewer CTAs than others, the median attention
   end of CTAs alone on their SM and of those sharing one.
 
