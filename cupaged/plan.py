@@ -1088,10 +1088,9 @@ def _chunking(pages: np.ndarray, page_size: int, grid_y: int, dt: np.dtype, kv_d
         held, max_pages_per_chunk, longest_request = schedule.choose_cap_and_residency(
             pages, grid_y, sms, held, page_bytes, -(-MIN_CHUNK_TOKENS // page_size), kv_dt.itemsize, rows, fewer, d)
         split = _split(pages, max_pages_per_chunk, True, longest_request)
-        # one wave of CTAs reading >= 2 MB (scalar checks first: most plans stop here), where it was measured
-        if (split[2] * grid_y <= held * sms and min(split[3], longest_request) * page_bytes >= schedule.FILL_ONE_BYTES
-                and not rows and kv_dt.itemsize == 2 and d == 128 and held == resident):
-            n = schedule.fill_waves(pages, split[1], split[0], grid_y, held * sms, page_bytes)
+        if not rows and kv_dt.itemsize == 2 and d == 128 and held == resident:  # (where it was measured)
+            n = schedule.fill_waves(pages, split[2], split[0], min(split[3], longest_request), grid_y, held * sms,
+                                    page_bytes)
             if n is not None:
                 split = _split_into(pages, n, max_pages_per_chunk)
         return (target, *split, held)

@@ -185,11 +185,12 @@ FILL_TWO_BYTES = 4 << 20
 FILL_ONE_BYTES = 2 << 20
 
 
-def fill_waves(pages: np.ndarray, chunks: np.ndarray, chunk_pages: np.ndarray, ctas_per_chunk: int, slots: int,
-               page_bytes: int) -> np.ndarray | None:
+def fill_waves(pages: np.ndarray, units: int, chunk_pages: np.ndarray, most_pages: int, ctas_per_chunk: int,
+               slots: int, page_bytes: int) -> np.ndarray | None:
     """Per-request chunk counts that fill the CTA slots, or None to keep the
-    split (the model's pick: ``chunks`` of ``chunk_pages`` pages per request,
-    an unsplit request's chunk the cap). Why: a one-wave grid of equal CTAs that leaves slots idle streams
+    split (the model's pick: ``units`` chunks in all, ``chunk_pages`` pages
+    per request, an unsplit request's chunk the cap; ``most_pages`` bounds
+    what one chunk reads, so most plans are turned down on scalars). Why: a one-wave grid of equal CTAs that leaves slots idle streams
     below what the same bytes in full waves do, and the model cannot say so
     (it sees one makespan). Measured on the H200 (2026-12-04, fp16 head_dim
     128, interleaved against the model's plans; docs/architecture.md "Full
@@ -204,17 +205,17 @@ def fill_waves(pages: np.ndarray, chunks: np.ndarray, chunk_pages: np.ndarray, c
     where the slots are a whole number of chunks' CTAs (MHA's 32 CTAs a chunk
     leave 8 of 264 idle either way).
 
-    >>> fill_waves(np.array([2048] * 8), np.array([4] * 8), np.array([512] * 8), 8, 264, 8192).tolist()
+    >>> fill_waves(np.array([2048] * 8), 32, np.array([512] * 8), 512, 8, 264, 8192).tolist()
     [9, 9, 8, 8, 8, 8, 8, 8]
-    >>> fill_waves(np.array([8192]), np.array([32]), np.array([256]), 8, 264, 8192).tolist()
+    >>> fill_waves(np.array([8192]), 32, np.array([256]), 256, 8, 264, 8192).tolist()
     [33]
-    >>> fill_waves(np.array([2048] * 4), np.array([8] * 4), np.array([256] * 4), 8, 264, 8192) is None  # 2 MB
+    >>> fill_waves(np.array([2048] * 4), 32, np.array([256] * 4), 256, 8, 264, 8192) is None  # 2 MB, batch 4
     True
     """
     per_wave = slots // ctas_per_chunk
-    units = int(chunks.sum())
     batch = pages.shape[0]
-    if units * ctas_per_chunk > slots or per_wave < 1 or slots % ctas_per_chunk:  # (waves it cannot fill)
+    if (units * ctas_per_chunk > slots or per_wave < 1 or slots % ctas_per_chunk  # (waves it cannot fill)
+            or most_pages * page_bytes < FILL_ONE_BYTES):
         return None
     chunk_bytes = int(np.minimum(chunk_pages, pages).max()) * page_bytes  # the most a CTA reads
     if chunk_bytes >= FILL_TWO_BYTES:

@@ -133,6 +133,18 @@ def compile_report(unroll: int = 4, arch: str = "sm_90") -> str:
         nvrtc.destroyProgram(prog)
 
 
+def launch_bulk(read_bulk, buf, nbytes: int, kb: int, grid: int, sink) -> int:
+    """One launch of the bulk reader over the first whole ``kb``-KB chunks of
+    ``nbytes`` at ``buf`` (at most ``grid`` CTAs); returns the bytes it reads."""
+    import cupy
+
+    chunk = kb * 1024
+    chunks, smem = nbytes // chunk, STAGES * chunk
+    read_bulk.max_dynamic_shared_size_bytes = smem
+    read_bulk((min(grid, chunks),), (128,), (buf, cupy.int64(chunks), cupy.int32(chunk), sink), shared_mem=smem)
+    return chunks * chunk
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_common.EXIT_CODES_EPILOG)
     p.add_argument("--gb", type=float, default=8.0, help="buffer size in GB (default 8)")
@@ -184,13 +196,8 @@ def main(argv=None) -> int:
         rate, spread = tbps(lambda: read_int4((grid,), (256,), (buf, cupy.int64(n4), sink)))
         rows.append(("int4", per_sm, 0, rate, spread))
         print(f"int4 unroll {args.unroll}, {per_sm} CTAs/SM x 256 threads: {rate:.3f} TB/s (spread {spread:.1f} %)")
-        for kb in args.chunk_kb:
-            chunk = kb * 1024
-            smem = STAGES * chunk
-            read_bulk.max_dynamic_shared_size_bytes = smem
-            chunks = nbytes // chunk
-            rate, spread = tbps(lambda: read_bulk((grid,), (128,), (buf, cupy.int64(chunks), cupy.int32(chunk), sink),
-                                                  shared_mem=smem))
+        for kb in args.chunk_kb:  # (whole chunks: nbytes is a multiple of 64 KB)
+            rate, spread = tbps(lambda: launch_bulk(read_bulk, buf, nbytes, kb, grid, sink))
             rows.append(("bulk", per_sm, kb, rate, spread))
             print(f"bulk {kb} KB x {STAGES} stages, {per_sm} CTAs/SM: {rate:.3f} TB/s (spread {spread:.1f} %)")
     if args.csv:
@@ -247,17 +254,12 @@ def small_launches(args) -> int:
             print(f"read {mb:g} MB, {per_sm} CTAs/SM: {us:.2f} us per launch, floor {floor:.2f}, "
                   f"over {us - floor:.2f} us (spread {spread:.1f} %)")
             for kb in args.chunk_kb:  # the bulk reader over the same buffers (its whole chunks)
-                chunk = kb * 1024
-                chunks, smem = nbytes // chunk, STAGES * chunk
-                read_bulk.max_dynamic_shared_size_bytes = smem
-                grid = min(sms * per_sm, chunks)
-                us, spread = per_launch_us(lambda i: read_bulk((grid,), (128,), (bufs[i], cupy.int64(chunks),
-                                                                                  cupy.int32(chunk), sink),
-                                                               shared_mem=smem))
-                floor = chunks * chunk / (args.roofline_tbps * 1e6)
+                us, spread = per_launch_us(lambda i: launch_bulk(read_bulk, bufs[i], nbytes, kb, sms * per_sm, sink))
+                read = nbytes // (kb * 1024) * kb * 1024
+                floor = read / (args.roofline_tbps * 1e6)
                 rows.append((f"bulk{kb}", per_sm, mb, us, us - floor, spread))
                 print(f"bulk {kb} KB read {mb:g} MB, {per_sm} CTAs/SM: {us:.2f} us per launch, floor {floor:.2f}, "
-                      f"over {us - floor:.2f} us, {chunks * chunk / us / 1e6:.3f} TB/s (spread {spread:.1f} %)")
+                      f"over {us - floor:.2f} us, {read / us / 1e6:.3f} TB/s (spread {spread:.1f} %)")
         bufs.clear()  # frees this size's buffers before the next
     if args.csv:
         with open(args.csv, "w") as f:
