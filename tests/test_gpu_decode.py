@@ -394,6 +394,28 @@ def test_cuda_graph_capture_and_replay():
             assert rel_errors(got, ref_out)[0] < 2e-2, step
 
 
+def test_fused_merge_carries_a_chunks_nan():
+    # a NaN in a visible V row makes one chunk's partials NaN for its kv head: the fused merge carries the
+    # NaN to that head group's output, as the reference does, and the other requests and heads are exact
+    cp = _cp()
+    (q, k, v), table, host = batch(44, [3000, 500, 17], dtype=np.float16)
+    v_host = host[2].copy()
+    page = int(table.indices[table.indptr[0] + 5])  # request 0's sixth page (its chunk 2)
+    v_host[page, 3, 1] = np.nan  # kv head 1 (query heads 4..7)
+    v.set(v_host)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=2)
+    assert plan.request_chunks[0] > 1
+    out = cp.full(q.shape, 0.5, dtype=q.dtype)
+    cupaged.decode(q, k, v, table, plan, out=out)
+    cp.cuda.runtime.deviceSynchronize()
+    got = out.get().astype(np.float64)
+    ref_out, _ = reference.decode(host[0], host[1], v_host, table)
+    assert np.isnan(ref_out[0, 4:8]).all() and np.isnan(got[0, 4:8]).all()
+    keep = np.ones(got.shape[:2], bool)
+    keep[0, 4:8] = False
+    assert rel_errors(got[keep], ref_out[keep])[0] < 2e-2
+
+
 # one long request among short ones, and a lognormal mix: the default plan
 # splits each request into equal chunks under a cap and runs them longest
 # first (work units in launch order); pages shuffled, half the requests
