@@ -129,6 +129,34 @@ be rerun without hand-editing a tree:
   grid's CTAs end (a one-wave grid's equal CTAs end 15-20 % apart) and where
   a small call's time goes.
 
+* The thirty-sixth session's probes of the fused merge's tail and the K/V
+  stream (issue 20; timed on the H200, none kept;
+  docs/benchmarks/merge-tail-probes-h200-2026-12-04.md):
+
+  - ``ticket_only`` (a probe, the output is not written): the last CTA of a
+    split request takes the ticket, resets its counter and exits; against
+    ``no_merge`` it prices the ticket (0.7-0.8 us), against today the merge
+    body (0.9-1.05 us a batch of 8 chunks);
+  - ``merge_batch16``, ``merge_batch4``: the merge loads 16 or 4 partials a
+    step for one item a thread (8 today): 16 costs 0.35-0.4 us at 8 chunks
+    and does not halve 16 chunks' two steps; 4 is 2 % faster at 4 chunks a
+    request, 2-4 % slower at 8-16;
+  - ``warm_merge``: every split CTA runs ``merge_partials`` once on its own
+    partial rows before ``griddepcontrol.wait`` (their values discarded), so
+    the last CTA finds the merge's code in the instruction cache: 1-7 %
+    slower (the SIMT 4-head instance spills with it);
+  - ``page_window_1024``: 1024 page ids a window instead of 256 (fewer ring
+    drains): within 0.5 % (the host's mirror, ``_configs.PAGE_WINDOW_BYTES``,
+    stays 1 KB: fine where the ring leaves 4 KB of the 72 KB, as at 16-bit
+    head_dim 128);
+  - ``l2_ahead2``, ``l2_ahead4``: each warp of the one-token 16-bit core also
+    prefetches (``cp.async.bulk.prefetch.L2``, a 256-byte row a lane) its tile
+    2 or 4 CTA steps ahead: 13-25 % slower on every large cell.
+
+  The release-free merge of the same session (the workspace marked, the
+  partials waited on) touches the host too: it is
+  docs/benchmarks/empty-partials-experiment-2026-12-04.patch.
+
 Lost experiments whose edits no longer apply were removed after their runs
 were recorded (``docs/benchmarks/kernel-variants-h200-2026-12-01.log``): the
 lane map ``fi_lanes``, the unpadded ``nopad`` and ``permuted`` layouts, and
@@ -632,6 +660,54 @@ _LAZY_RESCALE_COLS = [
      """    const float mn0 = mx0 > m0 + 8.f ? mx0 : m0, mn1 = mx1 > m1 + 8.f ? mx1 : m1;  // variant lazy_rescale_cols"""),
 ]
 
+_MERGE_IS_LAST = "  if (!is_last) return;  // from here on the other CTAs' partials are visible\n"
+_TICKET_ONLY = [("paged_decode_partial.cu", _MERGE_IS_LAST,
+                 _MERGE_IS_LAST + "  if (threadIdx.x == 0) *counter = 0;\n"
+                 "  return;  // variant ticket_only (a probe: the output is not written)\n")]
+_MERGE_BATCH = "  constexpr int BATCH = 8;\n"
+
+
+def _merge_batch(n: int) -> list[tuple[str, str, str]]:
+    return [("merge.cuh", _MERGE_BATCH, f"  constexpr int BATCH = ITEMS == 1 ? {n} : 8;  // variant merge_batch{n}\n")]
+
+
+_PDL_WAIT = ("  prefetch_first_tile<T, KV, HEAD_DIM, HEADS>(p, indices, slot_begin, slot_end, page_size, kv_head, req, head0);\n"
+             "  pdl_wait();\n")
+_WARM_MERGE = [("paged_decode_partial.cu", _PDL_WAIT, _PDL_WAIT.replace("  pdl_wait();\n", (
+    "  if (!GROUPS && num_chunks > 1) {  // variant warm_merge: the merge's code once, for the icache\n"
+    "    __shared__ int warm_sink;\n"
+    "    MergeItems<1> wit;\n"
+    "    wit.n0[0] = chunk0;\n"
+    "    wit.h[0] = head0;\n"
+    "    wit.d[0] = 0;\n"
+    "    const MergedItems<1> wm = merge_partials<1>(p.partial_v, p.partial_lse, wit, num_chunks, num_qo_heads, HEAD_DIM);\n"
+    "    if (wm.m[0].lse == p.scale && wm.m[0].o.x == p.soft_cap) warm_sink = 1;\n"
+    "  }\n"
+    "  pdl_wait();\n")))]
+_PAGE_WINDOW_1024 = [("attend.cuh", "constexpr int PAGE_WINDOW = 256;\n",
+                      "constexpr int PAGE_WINDOW = 1024;  // variant page_window_1024\n")]
+_LEAN_TILE = ("        if (base < s1) {  // (else the tile is all zero fill, and its page id may be out of the window)\n"
+              "          const long long page = sm.page_ids[p - win];\n"
+              "          const char* kp = k_lane + (page * ks.page + slot * ks.token) * (int)sizeof(KV);\n")
+
+
+def _l2_ahead(steps: int) -> list[tuple[str, str, str]]:
+    return [("attend_mma.cuh", _LEAN_TILE, (
+        "#if __CUDA_ARCH__ >= 900\n"
+        f"        if constexpr (!PAIRED) {{  // variant l2_ahead{steps}: this warp's tile {steps} steps on, a row a lane\n"
+        f"          const int base_f = base + {steps} * CTA_TILE;\n"
+        "          if (base_f < s1) {\n"
+        "            const int pf = base_f / page_size, slot_f = base_f - pf * page_size + (lane & 15);\n"
+        "            const long long page_f = sm.page_ids[pf - win];\n"
+        "            const KV* row = lane < 16 ? k_cache + k_head + page_f * ks.page + slot_f * ks.token\n"
+        "                                      : v_cache + v_head + page_f * vs.page + slot_f * vs.token;\n"
+        '            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "n"(HEAD_DIM * (int)sizeof(KV))\n'
+        '                         : "memory");\n'
+        "          }\n"
+        "        }\n"
+        "#endif\n") + _LEAN_TILE)]
+
+
 VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "predicated": [("common.cuh", _PREDICATED_OLD, _PREDICATED_NEW)],
     "padded": _PADDED,
@@ -648,6 +724,13 @@ VARIANTS: dict[str, list[tuple[str, str, str]]] = {
     "fenced_ticket": _FENCED_TICKET,
     "early_ticket": _EARLY_TICKET,
     "cta_stamps": _CTA_STAMPS,
+    "ticket_only": _TICKET_ONLY,
+    "merge_batch16": _merge_batch(16),
+    "merge_batch4": _merge_batch(4),
+    "warm_merge": _WARM_MERGE,
+    "page_window_1024": _PAGE_WINDOW_1024,
+    "l2_ahead2": _l2_ahead(2),
+    "l2_ahead4": _l2_ahead(4),
     "fp8_bitmove": _FP8_BITMOVE,
     "fp8_noconv": _FP8_NOCONV,
     "last_mask": _LAST_MASK,
