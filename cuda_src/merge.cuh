@@ -1,5 +1,6 @@
 // Merging normalized attention states, shared by the standalone merge kernel
-// and the partial kernel's fused merge (the last CTA of a request).
+// and the partial kernel's fused merges (the last CTA of a request after a
+// ticket, or its first chunk's CTA waiting on the values).
 #pragma once
 #include "common.cuh"
 
@@ -9,10 +10,17 @@ namespace cupaged {
 //   M = max_n lse[n,h];  w_n = exp2(lse[n,h] - M);  W = sum_n w_n
 //   o = sum_n w_n * v[n,h,d:d+4] / W;  lse_out = M + log2(W)
 // v is [N, num_heads, head_dim] float32 and lse [N, num_heads] float32 (log2),
-// both contiguous. Loads go through L2 (ld.global.cg), so partials written by
-// other CTAs of the same launch are seen once they fenced. Partials with
-// lse = -inf contribute nothing (their v is ignored, whatever it holds); no
-// finite partial gives zeros and -inf.
+// both contiguous. Partials with lse = -inf contribute nothing (their v is
+// ignored, whatever it holds); no finite partial gives zeros and -inf.
+//
+// WAIT_WRITTEN (the partial kernel's waiting merge, merge_waiting): the
+// partials are being written by other CTAs of the same launch, with no
+// release; every float not yet written still holds PARTIAL_EMPTY (the
+// workspace is allocated so and the merge puts it back). The loads are
+// relaxed at GPU scope (the L2), and a step re-reads what is still empty
+// until all of it is there: a 32-bit store is seen whole or not at all, so
+// each value is the one written. (The ticket's merge and the standalone
+// merge kernel read finished arrays.)
 //
 // One pass with a running max (online softmax): each step issues BATCH lse
 // and BATCH v loads that depend on nothing, so a request of n chunks costs
@@ -28,6 +36,34 @@ struct Merged {
   float4 o;
   float lse;
 };
+
+// A workspace float not written yet: a NaN whose bits float arithmetic never
+// yields (its NaN results are the canonical 0x7fffffff), so no partial holds it.
+constexpr unsigned PARTIAL_EMPTY = 0xffffffffu;
+// A merge that waits this many re-reads of a step has lost a writer: trap
+// (an error at the next synchronize) rather than hang or read garbage.
+constexpr int MERGE_MAX_SPINS = 1 << 22;
+
+__device__ __forceinline__ bool is_empty(float x) { return __float_as_uint(x) == PARTIAL_EMPTY; }
+__device__ __forceinline__ bool is_empty(float4 x) {
+  return is_empty(x.x) | is_empty(x.y) | is_empty(x.z) | is_empty(x.w);
+}
+template <bool RELAXED>
+__device__ __forceinline__ float load_partial(const float* p) {
+  if constexpr (!RELAXED) return __ldcg(p);
+  float r;
+  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+template <bool RELAXED>
+__device__ __forceinline__ float4 load_partial4(const float* p) {
+  if constexpr (!RELAXED) return __ldcg(reinterpret_cast<const float4*>(p));
+  float4 r;
+  asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w)
+               : "l"(p));
+  return r;
+}
 // ITEMS such merges of n partials each, their loads issued together: item i
 // is head h[i], dims [d[i], d[i] + 4), partials n0[i] .. n0[i] + n; h[i] < 0
 // marks no item (its result is unspecified). A row group's last CTA merges
@@ -42,7 +78,7 @@ template <int ITEMS>
 struct MergedItems {
   Merged m[ITEMS];
 };
-template <int ITEMS>
+template <int ITEMS, bool WAIT_WRITTEN = false>
 __device__ __noinline__ MergedItems<ITEMS> merge_partials(const float* __restrict__ v, const float* __restrict__ lse,
                                                           MergeItems<ITEMS> it, int n, int num_heads, int head_dim) {
   constexpr int BATCH = 8;
@@ -57,16 +93,28 @@ __device__ __noinline__ MergedItems<ITEMS> merge_partials(const float* __restric
   for (int c = 0; c < n; c += BATCH) {
     float x[ITEMS][BATCH];
     float4 y[ITEMS][BATCH];
+    // (WAIT_WRITTEN: the step's loads again while any value is still empty;
+    // dead items and slots past n hold -inf and zeros, never empty. The test
+    // follows all of the step's loads, so they stay in flight together.)
+    for (int spins = 0;; ++spins) {
 #pragma unroll
-    for (int i = 0; i < ITEMS; ++i)
+      for (int i = 0; i < ITEMS; ++i)
 #pragma unroll
-      for (int b = 0; b < BATCH; ++b) {
-        const long long nh = (long long)(it.n0[i] + c + b) * num_heads + it.h[i];
-        const bool in = c + b < n && (ITEMS == 1 || it.h[i] >= 0);
-        x[i][b] = in ? __ldcg(lse + nh) : neg_inf();
-        y[i][b] = in ? __ldcg(reinterpret_cast<const float4*>(v + nh * head_dim + it.d[i]))
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
+        for (int b = 0; b < BATCH; ++b) {
+          const long long nh = (long long)(it.n0[i] + c + b) * num_heads + it.h[i];
+          const bool in = c + b < n && (ITEMS == 1 || it.h[i] >= 0);
+          x[i][b] = in ? load_partial<WAIT_WRITTEN>(lse + nh) : neg_inf();
+          y[i][b] = in ? load_partial4<WAIT_WRITTEN>(v + nh * head_dim + it.d[i]) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      if constexpr (!WAIT_WRITTEN) break;
+      bool empty = false;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i)
+#pragma unroll
+        for (int b = 0; b < BATCH; ++b) empty |= is_empty(x[i][b]) | is_empty(y[i][b]);
+      if (!empty) break;
+      if (spins == MERGE_MAX_SPINS) __trap();
+    }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       float m_new = m[i];

@@ -18,6 +18,10 @@
 // partial_v / partial_lse; the last of its CTAs to finish (an atomic ticket in
 // merge_counters, acquire-release at GPU scope) merges them into final_out with
 // the closed-form exp2/log2 rescale (merge.cuh) and resets its counter to 0.
+// Where the plan image's header says so (the waiting merge: plans without row
+// groups whose grid fits the GPU at once), the CTA of the request's first
+// chunk merges them as their values arrive, with no ticket (merge_waiting
+// below).
 // Every output element is written by exactly one CTA.
 //
 // Grid: x = unit * heads_groups + y (1-D), where y = kv_head * q_groups +
@@ -41,7 +45,8 @@
 //                    (cupaged/_launch.py PlanImage):
 //     [0:8)   header {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch,
 //             group_rows}: the count of units, then each array's offset in int32 elements from the
-//             image's start (group_rows: 0 when the plan has no row groups)
+//             image's start (group_rows: when the plan has no row groups, the merge: 0 the ticket,
+//             -1 the waiting merge)
 //     [8:8+4*num_units)  the units, int4 {request, chunk, page_lo, page_hi} in launch order:
 //             chunk c (its partial row; chunk c - o_indptr[r] of request r) covers the request's
 //             pages [page_lo, min(page_hi, pages_r)) (a request's last unit ends past its pages, so a
@@ -58,6 +63,8 @@
 //   partial_v        [chunks, num_qo_heads, HEAD_DIM] float32 contiguous (null if no request splits)
 //   partial_lse      [chunks, num_qo_heads] float32 contiguous (null if no request splits)
 //   merge_counters   [batch * heads_groups] int32, all 0 before the launch and after it (null if no split)
+//                    (the waiting merge: partial_v and partial_lse hold PARTIAL_EMPTY, merge.cuh, in every
+//                    float before the launch and after it)
 //   final_out        [batch, num_qo_heads, HEAD_DIM] T, strides (stride_o_batch, stride_o_head, 1)
 //   final_lse        [batch, num_qo_heads] float32 contiguous, may be null
 //   sinks            [num_qo_heads] float32 attention-sink logits (natural log, in the units of
@@ -202,6 +209,53 @@ __device__ __forceinline__ void attend_rows(int n, typename Attn::Scratch& sm, E
     Attn::template run<false>(sm, emit, rg, args...);
 }
 
+// The waiting merge (the header's group_rows entry -1: a plan without row
+// groups whose CTAs, and its requests' first chunks with room to spare, fit
+// the GPU at once; cupaged/_launch.py PartialLaunch.waits): the CTA of the
+// request's first chunk merges its head group's partials as their values
+// arrive (merge_partials<1, true>), writes the output and puts PARTIAL_EMPTY
+// back; the other chunks' CTAs only write theirs. No ticket: 0.4-0.7 us less
+// per split small call than the ticket's merge, which waits on the ticket's
+// L2 round trip and then on the partials' (H200, docs/architecture.md "The
+// first chunk merges, waiting on the values"). The first chunk's CTA is on
+// the GPU while it waits, so it must not hold a slot a chunk it waits for
+// needs: the host takes this path only where those CTAs fit at once.
+template <typename T, int HEAD_DIM, int HEADS, int THREADS>
+__device__ __noinline__ void merge_waiting(const PartialParams& p) {
+  // (the CTA's request and heads found again from blockIdx and the image, as partial_body finds them,
+  // so that nothing of the merge stays live through the attention loop: passed in, they took 6 more
+  // registers in the tensor-core instances)
+  const int heads_groups = p.heads_groups, q_groups = p.q_groups;
+  const int unit = blockIdx.x / heads_groups, y = blockIdx.x - unit * heads_groups;
+  const int4* image = reinterpret_cast<const int4*>(p.plan);
+  const int4 h0 = image[0], w = image[2 + unit];
+  const int req = w.x, chunk0 = p.plan[h0.y + req], num_chunks = p.plan[h0.y + req + 1] - chunk0;
+  if (w.y != chunk0) return;  // (another chunk: its partial is written)
+  const int head0 = (y / q_groups) * p.group_size + (y % q_groups) * HEADS;
+  const long long stride_o_head = p.stride_o_head;
+  T* out = static_cast<T*>(p.final_out) + req * p.stride_o_batch + head0 * stride_o_head;
+  float* lse_out = p.final_lse == nullptr ? nullptr : p.final_lse + (long long)req * p.num_qo_heads + head0;
+  const float* sinks = p.sinks == nullptr ? nullptr : p.sinks + head0;
+  constexpr int D4 = HEAD_DIM / 4;
+  const int num_qo_heads = p.num_qo_heads;
+  const float empty = __uint_as_float(PARTIAL_EMPTY);
+  __syncthreads();  // (this CTA's own partial: written by its other threads)
+  for (int item = threadIdx.x; item < HEADS * D4; item += THREADS) {
+    MergeItems<1> it;
+    it.n0[0] = chunk0;
+    it.h[0] = head0 + item / D4;
+    it.d[0] = (item % D4) * 4;
+    const MergedItems<1> m = merge_partials<1, true>(p.partial_v, p.partial_lse, it, num_chunks, num_qo_heads, HEAD_DIM);
+    EmitStrided<T>{out, stride_o_head, lse_out, sinks}.finish(it.h[0] - head0, it.d[0], m.m[0].o, m.m[0].lse);
+    for (int c = 0; c < num_chunks; ++c)  // (these values are read by this thread only)
+      *reinterpret_cast<float4*>(p.partial_v + ((long long)(chunk0 + c) * num_qo_heads + it.h[0]) * HEAD_DIM +
+                                 it.d[0]) = make_float4(empty, empty, empty, empty);
+  }
+  __syncthreads();  // (every thread has read the LSEs it shares with its head's other dims)
+  for (int i = threadIdx.x; i < HEADS * num_chunks; i += THREADS)
+    p.partial_lse[(long long)(chunk0 + i / HEADS) * num_qo_heads + head0 + i % HEADS] = empty;
+}
+
 // The kernels' body. Without GROUPS a unit is one request's chunk; with
 // GROUPS (paged_decode_rows) its request is the first row of a row group.
 template <typename T, typename KV, int HEAD_DIM, int HEADS, Core CORE, bool GROUPS>
@@ -267,6 +321,10 @@ __device__ __forceinline__ void partial_body(const PartialParams& p) {
     EmitStrided<float> emit{p.partial_v + row * HEAD_DIM, HEAD_DIM, p.partial_lse + row};
     Attn::template run<false>(sm, emit, none, q_cta, p.stride_q_head, sc, k_cache, ks, v_cache, vs, kv_head,
                               indices, page_size, slot_begin, slot_end);
+    if (p.plan[7] < 0) {  // (the header's merge for a plan without row groups; read again: no register held)
+      merge_waiting<T, HEAD_DIM, HEADS, Attn::THREADS>(p);
+      return;
+    }
   } else {
     // Every row of the group has num_chunks chunks (the plan gives them the
     // last row's split): row t's partial of this chunk is chunk + t * num_chunks.

@@ -134,6 +134,8 @@ _W_Q, _W_K, _W_V, _W_OUT, _W_LSE = (getattr(PartialParams, f).offset // 8
 
 # ------------------------------------------------------------------ the plan image
 HEADER = 8  # int32: {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, group_rows}
+HEADER_WAITS = -1  # the header's group_rows entry of a plan without row groups whose fused merge waits (PartialLaunch.waits)
+PARTIAL_EMPTY = 0xFFFFFFFF  # cuda_src/merge.cuh PARTIAL_EMPTY: a float of the waiting merge's workspace no CTA wrote
 HEADER_BATCH = 6  # the header entry holding the batch size (append_kv's device_batch)
 
 
@@ -173,13 +175,15 @@ def image_offsets(max_batch: int, max_units: int) -> tuple[int, int, int, int, i
     return o, indptr, last, first, groups, groups + max_batch
 
 
-def write_image(dst: np.ndarray, offsets: tuple, units: np.ndarray, plan, table) -> int:
+def write_image(dst: np.ndarray, offsets: tuple, units: np.ndarray, plan, table, waits: bool = False) -> int:
     """Writes the image of (``units`` of ``plan``, ``table``) into the int32
     array ``dst`` at ``offsets`` (:func:`image_offsets`); returns the
     elements up to the end of the indices (the span to copy). The header
     holds ``num_units``, the offsets of o_indptr, the table and the indices,
     the batch size and the offset of ``group_rows`` (row ``r`` starts a group
-    of ``group_last[r] - r + 1`` rows), 0 when the plan has no row groups."""
+    of ``group_last[r] - r + 1`` rows); when the plan has no row groups, that
+    entry says which fused merge runs: 0 the ticket's, :data:`HEADER_WAITS`
+    (``waits``) the waiting one (:meth:`PartialLaunch.waits`)."""
     n = units.shape[0]
     dst[HEADER:HEADER + 4 * n] = units.reshape(-1)
     o, indptr, last, first, groups, indices = offsets
@@ -190,7 +194,7 @@ def write_image(dst: np.ndarray, offsets: tuple, units: np.ndarray, plan, table)
         b = plan.batch_size
         np.subtract(plan.group_last, np.arange(-1, b - 1, dtype=np.int32), out=dst[groups:groups + b])
     dst[:HEADER] = (n, o, indptr, last, first, indices, plan.batch_size,
-                    0 if plan.group_last is None else groups)
+                    (HEADER_WAITS if waits else 0) if plan.group_last is None else groups)
     return indices + table.indices.shape[0]
 
 
@@ -230,6 +234,20 @@ def residency_smem(function: int, threads: int, smem: int) -> tuple[int, ...]:
     return (table[0], *table)
 
 
+def plan_waits(plan, units: int, heads_groups: int, sms: int) -> bool:
+    """Whether ``plan`` (``units`` work units, ``heads_groups`` CTAs each)
+    runs the waiting merge on a GPU of ``sms`` SMs (cuda_src/paged_decode_partial.cu
+    ``merge_waiting``): it splits a request, has no row groups, its CTAs fit
+    one wave at the plan's CTAs per SM, and its requests' first chunks (whose
+    CTAs wait on the GPU for the others) are fewer CTAs than the GPU has SMs,
+    so a slot is always left for a chunk they wait for, whatever else shares
+    the GPU (one CTA per SM always fits). Otherwise the ticket's merge."""
+    if plan.group_last is not None or not plan.needs_merge:
+        return False
+    firsts = int(np.count_nonzero(plan.request_chunks > 1)) * heads_groups
+    return units * heads_groups <= sms * plan.ctas_per_sm and firsts < sms
+
+
 class PartialLaunch:
     """One device's and one stream's launch state of the partial kernel for
     one shape (heads, head_dim, dtype pair, heads per CTA), sized for
@@ -245,7 +263,8 @@ class PartialLaunch:
     _held = 1 << 30  # the loaded plan's CTAs per SM (DecodePlan.ctas_per_sm; none loaded: no hold of its own)
 
     def __init__(self, variant: str, num_qo_heads: int, num_kv_heads: int, head_dim: int, heads_per_cta: int,
-                 page_size: int, max_batch: int, max_units: int, max_pages: int, family: str = "partial"):
+                 page_size: int, max_batch: int, max_units: int, max_pages: int, family: str = "partial",
+                 wait_plan=None):
         import cupy
         from cupy_backends.cuda.api import driver
 
@@ -273,13 +292,14 @@ class PartialLaunch:
         self._sms = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, self.device)
         table = residency_smem(self.function, threads, self.smem) if self.pdl else (self.smem,)
         self._smem_at = table[:_configs.resident_ctas(variant, head_dim, heads_per_cta, self.core, family) + 1]
-        self._alloc(max_batch, max_units, max_pages, num_qo_heads)
         p = self.params = PartialParams()
+        # the waiting merge, for the one plan a state is made for (decode's: _plan_launch.PlanLaunch); a
+        # state whose plans change (DecodeRunner, its graph holding the workspace) keeps the ticket's
+        self.marked = wait_plan is not None and plan_waits(wait_plan, wait_plan.num_chunks, self.heads_groups,
+                                                           self._sms)
+        self._alloc(max_batch, max_units, max_pages, num_qo_heads)
         p.heads_groups, p.page_size, p.num_qo_heads, p.group_size, p.q_groups = (
             self.heads_groups, page_size, num_qo_heads, group, q_groups)
-        p.plan = self.image.data.ptr
-        p.partial_v, p.partial_lse, p.merge_counters = (
-            self.partial_v.data.ptr, self.partial_lse.data.ptr, self.counters.data.ptr)
         # the pointer fields as 8-byte words: a memoryview write costs a third of a ctypes field's
         self._words = memoryview(p).cast("B").cast("Q")
         self._arg = (ctypes.c_void_p * 1)(ctypes.addressof(p))
@@ -305,9 +325,18 @@ class PartialLaunch:
         self._staging = [np.frombuffer(cupy.cuda.alloc_pinned_memory(4 * size), np.int32, size) for _ in range(2)]
         self._events = [None, None]
         self._turn = 0
-        self.partial_v = cupy.empty((max(max_units, 1), num_qo_heads, self.head_dim), dtype=cupy.float32)
-        self.partial_lse = cupy.empty((max(max_units, 1), num_qo_heads), dtype=cupy.float32)
+        rows = max(max_units, 1)
+        if self.marked:  # (the waiting merge: every float PARTIAL_EMPTY between launches; the kernel puts it back)
+            self.partial_v = cupy.full((rows, num_qo_heads, self.head_dim), PARTIAL_EMPTY,
+                                       dtype=cupy.uint32).view(cupy.float32)
+            self.partial_lse = cupy.full((rows, num_qo_heads), PARTIAL_EMPTY, dtype=cupy.uint32).view(cupy.float32)
+        else:
+            self.partial_v = cupy.empty((rows, num_qo_heads, self.head_dim), dtype=cupy.float32)
+            self.partial_lse = cupy.empty((rows, num_qo_heads), dtype=cupy.float32)
         self.counters = cupy.zeros(max(max_batch, 1) * self.heads_groups, dtype=cupy.int32)
+        p = self.params
+        p.plan, p.partial_v, p.partial_lse, p.merge_counters = (
+            self.image.data.ptr, self.partial_v.data.ptr, self.partial_lse.data.ptr, self.counters.data.ptr)
 
     def fits(self, batch: int, units: int, pages: int) -> bool:
         return batch <= self.max_batch and units <= self.max_units and pages <= self.max_pages
@@ -323,7 +352,7 @@ class PartialLaunch:
         if event is not None:
             event.synchronize()  # the copy that last read this staging image is done (it nearly always is)
         staging = self._staging[i]
-        n = write_image(staging, self.offsets, units, plan, table)
+        n = write_image(staging, self.offsets, units, plan, table, self.waits(plan, units.shape[0]))
         stream = self._current_stream()
         self._memcpy(self.image.data.ptr, staging.ctypes.data, 4 * n, 1, stream.ptr)  # 1: host to device
         if event is None:
@@ -333,6 +362,11 @@ class PartialLaunch:
         self._held = plan.ctas_per_sm
         self._units_smem = self._smem_for(self.units * self.heads_groups)  # (once here, not per launch_pointers)
         self._pointers_key = None
+
+    def waits(self, plan, units: int) -> bool:
+        """Whether ``plan`` (``units`` work units) runs the waiting merge: a
+        state made for it (``wait_plan``) and :func:`plan_waits` on this device."""
+        return self.marked and plan_waits(plan, units, self.heads_groups, self._sms)
 
     def set_arrays(self, q, k, v, out, lse) -> None:
         """Pointers and element strides of q, the caches (NHD views), out and lse."""

@@ -30,7 +30,7 @@ class PlanLaunch(_launch.PartialLaunch):
         family = "partial" if plan.group_last is None else _configs.rows_family(
             dtype, plan.head_dim, _configs.choose_core(dtype, plan.head_dim, _env.core()), plan.ctas_per_sm)
         super().__init__(dtype, plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.heads_per_cta,
-                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4, family)
+                         plan.page_size, plan.batch_size, plan.num_chunks, pages + pages // 4, family, wait_plan=plan)
         self.plan_units = _launch.plan_units(plan)
         self.stream_ptr = stream_ptr
         self.checked_table = None  # weakref to the last table that matched
@@ -58,10 +58,7 @@ class PlanLaunch(_launch.PartialLaunch):
         pages = int(table.indptr[-1])
         if pages > self.max_pages:  # the requests grew past the image: a larger one (not while captured)
             self.max_pages = pages + pages // 4
-            self._alloc(self.max_batch, self.max_units, self.max_pages, plan.num_qo_heads)
-            p = self.params
-            p.plan, p.partial_v, p.partial_lse, p.merge_counters = (
-                self.image.data.ptr, self.partial_v.data.ptr, self.partial_lse.data.ptr, self.counters.data.ptr)
+            self._alloc(self.max_batch, self.max_units, self.max_pages, plan.num_qo_heads)  # (and the pointers)
         self.load(plan, self.plan_units, table)
 
 

@@ -584,8 +584,10 @@ _CTA_STAMPS = [
     ("paged_decode_partial.cu", "                                indices, page_size, slot_begin, slot_end);\n      return;\n",
      "                                indices, page_size, slot_begin, slot_end);\n"
      "      probe_mark(1);\n      probe_mark(2);\n      return;\n"),
-    ("paged_decode_partial.cu", "                              indices, page_size, slot_begin, slot_end);\n  } else {\n",
-     "                              indices, page_size, slot_begin, slot_end);\n    probe_mark(1);\n  } else {\n"),
+    ("paged_decode_partial.cu", "                              indices, page_size, slot_begin, slot_end);\n    if (p.plan[7] < 0) {",
+     "                              indices, page_size, slot_begin, slot_end);\n    probe_mark(1);\n    if (p.plan[7] < 0) {"),
+    ("paged_decode_partial.cu", "      merge_waiting<T, HEAD_DIM, HEADS, Attn::THREADS>(p);\n      return;\n",
+     "      merge_waiting<T, HEAD_DIM, HEADS, Attn::THREADS>(p);\n      probe_mark(2);\n      return;\n"),
     ("paged_decode_partial.cu", "  if (!is_last) return;  // from here on",
      "  if (!is_last) {\n    probe_mark(2);\n    return;\n  }  // from here on"),
     ("paged_decode_partial.cu",

@@ -394,26 +394,62 @@ def test_cuda_graph_capture_and_replay():
             assert rel_errors(got, ref_out)[0] < 2e-2, step
 
 
-def test_fused_merge_carries_a_chunks_nan():
+def waiting_states(plan):
+    """The plan's launch states, each with whether it ran the waiting merge."""
+    from cupaged._plan_launch import plan_states
+
+    return [(s, s.waits(plan, s.plan_units.shape[0])) for s in plan_states(plan).values()]
+
+
+@pytest.mark.parametrize("pages_per_chunk", [2, 64])
+def test_fused_merge_carries_a_chunks_nan(pages_per_chunk):
     # a NaN in a visible V row makes one chunk's partials NaN for its kv head: the fused merge carries the
     # NaN to that head group's output, as the reference does, and the other requests and heads are exact
+    # (2 pages a chunk: 888 CTAs, the ticket's merge; 64: 40 CTAs, the waiting merge, the NaN in the merging chunk)
     cp = _cp()
     (q, k, v), table, host = batch(44, [3000, 500, 17], dtype=np.float16)
     v_host = host[2].copy()
-    page = int(table.indices[table.indptr[0] + 5])  # request 0's sixth page (its chunk 2)
+    page = int(table.indices[table.indptr[0] + 5])  # request 0's sixth page (its chunk 2 at 2 pages a chunk)
     v_host[page, 3, 1] = np.nan  # kv head 1 (query heads 4..7)
     v.set(v_host)
-    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=2)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=pages_per_chunk)
     assert plan.request_chunks[0] > 1
     out = cp.full(q.shape, 0.5, dtype=q.dtype)
     cupaged.decode(q, k, v, table, plan, out=out)
     cp.cuda.runtime.deviceSynchronize()
+    assert [w for _, w in waiting_states(plan)] == [pages_per_chunk == 64]
     got = out.get().astype(np.float64)
     ref_out, _ = reference.decode(host[0], host[1], v_host, table)
     assert np.isnan(ref_out[0, 4:8]).all() and np.isnan(got[0, 4:8]).all()
     keep = np.ones(got.shape[:2], bool)
     keep[0, 4:8] = False
     assert rel_errors(got[keep], ref_out[keep])[0] < 2e-2
+
+
+@pytest.mark.parametrize("core", ["mma", "simt"])
+def test_waiting_merge_matches_reference_and_leaves_its_workspace_empty(core, monkeypatch):
+    # a split plan whose CTAs fit one wave runs the waiting merge: each request's first chunk merges the
+    # partials as their values leave PARTIAL_EMPTY (no ticket) and puts PARTIAL_EMPTY back, so every launch
+    # after the first waits on its own values; a plan of two waves keeps the ticket's merge
+    cp = _cp()
+    from cupaged._launch import PARTIAL_EMPTY
+
+    monkeypatch.setenv("CUPAGED_CORE", core)
+    dev, table, host = batch(43, [3000, 17, 0, 500, 1, 4099], dtype=np.float16)
+    ref_out, ref_lse = reference.decode(*host, table)
+    for c, waits in ((64, True), (8, False)):  # 12 units of 8 CTAs; 64 units
+        plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=c)
+        assert plan.needs_merge
+        for _ in range(3):
+            out, lse = run("v2", *dev, table, plan)
+            check(out, lse, ref_out, ref_lse, np.float16)
+        ((state, took),) = waiting_states(plan)
+        assert took == waits, (c, core)
+        if waits:
+            for a in (state.partial_v, state.partial_lse):
+                assert int((a.view(cp.uint32) != PARTIAL_EMPTY).sum()) == 0, (c, core)
+        else:
+            assert int(cp.count_nonzero(state.counters)) == 0
 
 
 # one long request among short ones, and a lognormal mix: the default plan

@@ -120,3 +120,53 @@ def test_elem_strides_of_leading_or_listed_axes(dtype):
         for axes in ((0, 1), (0, 1, 2), (0, 2, 1)):
             got = _launch.elem_strides(a, axes)
             assert got == tuple(want[ax] for ax in axes) and all(type(x) is np.int64 for x in got)
+
+
+def test_waiting_merge_takes_one_wave_split_plans():
+    # the waiting merge (cuda_src/paged_decode_partial.cu merge_waiting: a request's first chunk merges its
+    # partials as their values arrive, waiting on the GPU) runs only where a split plan's CTAs fit one wave and
+    # its requests' first chunks are fewer CTAs than SMs (so one always leaves a slot for a chunk it waits for)
+    table = cupaged.PageTable.from_seq_lens([3000, 17, 0, 500, 1, 4099], page_size=16)
+
+    def plan(c):
+        return cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=c, num_sms=132)
+
+    p64 = plan(64)  # chunks [3, 1, 1, 1, 1, 5]: 12 units of 8 CTAs, 2 requests split
+    assert (p64.num_chunks, p64.ctas_per_sm) == (12, 2)
+    assert _launch.plan_waits(p64, 12, 8, 132)
+    assert not _launch.plan_waits(p64, 12, 8, 40)  # 96 CTAs past one wave of 40 SMs x 2
+    assert not _launch.plan_waits(p64, 12, 8, 16)  # 16 first-chunk CTAs: not fewer than the SMs
+    assert _launch.plan_waits(p64, 12, 8, 48)      # 96 <= 48 x 2, 16 < 48
+    assert not _launch.plan_waits(plan(8), 64, 8, 132)   # 512 CTAs: two waves
+    unsplit = plan(1000)
+    assert not unsplit.needs_merge and not _launch.plan_waits(unsplit, unsplit.num_chunks, 8, 132)
+    rows = cupaged.plan_decode(cupaged.PageTable.from_seq_lens([3000, 17, 500, 4099], page_size=16), 32, 8, 128,
+                               np.float16, pages_per_chunk=64, num_sms=132, qo_indptr=np.array([0, 2, 3, 5, 7]))
+    assert rows.group_last is not None and not _launch.plan_waits(rows, rows.num_chunks, 8, 132)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_plan_image_header_says_which_merge(waits):
+    # without row groups the header's group_rows entry is the merge: 0 the ticket's, HEADER_WAITS the waiting one
+    table = cupaged.PageTable.from_seq_lens([700, 33, 0], page_size=16)
+    plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=4)
+    units = _launch.plan_units(plan)
+    offsets = _launch.image_offsets(plan.batch_size, plan.num_chunks)
+    dst = np.zeros(_launch.image_capacity(plan.batch_size, plan.num_chunks, int(table.indptr[-1])), dtype=np.int32)
+    _launch.write_image(dst, offsets, units, plan, table, waits)
+    assert dst[_launch.HEADER - 1] == (_launch.HEADER_WAITS if waits else 0) and _launch.HEADER_WAITS < 0
+
+
+def test_partial_empty_is_the_kernels_mark():
+    # the waiting merge's workspace is allocated holding the bits it waits on (cuda_src/merge.cuh)
+    import re
+
+    src = (_loader.SRC_DIR / "merge.cuh").read_text()
+    (value,) = re.findall(r"constexpr unsigned PARTIAL_EMPTY = (0x[0-9a-fA-F]+)u;", src)
+    assert int(value, 16) == _launch.PARTIAL_EMPTY
+    # a NaN no float32 arithmetic yields (its NaN results are canonical, 0x7fffffff)
+    mark = np.array([_launch.PARTIAL_EMPTY], np.uint32).view(np.float32)
+    assert np.isnan(mark).all() and _launch.PARTIAL_EMPTY != 0x7FFFFFFF
+    # and the kernel reads the header entry write_image sets
+    body = (_loader.SRC_DIR / "paged_decode_partial.cu").read_text()
+    assert f"p.plan[{_launch.HEADER - 1}] < 0" in body
