@@ -12,6 +12,7 @@ variable                   read by                                     when
 =========================  ==========================================  =============
 ``CUPAGED_DECODE``         :func:`cupaged.decode` (``method="auto"``)  every call
 ``CUPAGED_CORE``           the v2 launch state of a plan               first launch
+``CUPAGED_WAIT_MERGE``     the v2 launch state of a plan               first launch
 ``CUPAGED_TARGET_CTAS``    :func:`cupaged.plan_decode`                 every call
 ``CUPAGED_NUM_SMS``        :func:`cupaged.plan_decode` (no GPU)        every call
 ``CUPAGED_CACHE_DIR``      :mod:`cupaged.autotune`                     every call
@@ -43,6 +44,7 @@ from .errors import InvalidArgumentError, UnsupportedConfigError
 
 DECODE = "CUPAGED_DECODE"
 CORE = "CUPAGED_CORE"
+WAIT_MERGE = "CUPAGED_WAIT_MERGE"
 PDL = "CUPAGED_PDL"
 TARGET_CTAS = "CUPAGED_TARGET_CTAS"
 NUM_SMS = "CUPAGED_NUM_SMS"
@@ -53,7 +55,7 @@ MMA_WARPS = "CUPAGED_MMA_WARPS"
 MMA_MIN_BLOCKS = "CUPAGED_MMA_MIN_BLOCKS"
 
 #: Every variable cupaged reads, in the order of the README's table.
-VARIABLES: tuple[str, ...] = (DECODE, CORE, TARGET_CTAS, NUM_SMS, CACHE_DIR, CUDA_SRC,
+VARIABLES: tuple[str, ...] = (DECODE, CORE, WAIT_MERGE, TARGET_CTAS, NUM_SMS, CACHE_DIR, CUDA_SRC,
                               MMA_SMEM_KB, MMA_WARPS, MMA_MIN_BLOCKS, PDL)
 
 #: Values of CUPAGED_DECODE (the ``method`` of :func:`cupaged.decode`).
@@ -145,6 +147,16 @@ def core() -> str | None:
     if raw is not None and raw not in CORES:
         raise UnsupportedConfigError(f"environment variable {CORE}={raw!r} must be one of {CORES} (or unset)")
     return raw
+
+
+def wait_merge() -> bool:
+    """``CUPAGED_WAIT_MERGE``: 1 or unset (the default) lets a plan whose
+    CTAs fit the GPU at once merge at each request's first chunk, waiting on
+    the partials' values (cupaged/_launch.py ``plan_waits``); 0: every split
+    request merges through the ticket, as before 2026-12-04 (for a GPU whose
+    client sees fewer SMs than the device reports, as under MPS with an
+    active-thread limit: a waiting chunk must find a slot free)."""
+    return bool(_int(WAIT_MERGE, 1, 0, 1))
 
 
 def pdl() -> bool:

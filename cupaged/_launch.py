@@ -295,8 +295,8 @@ class PartialLaunch:
         p = self.params = PartialParams()
         # the waiting merge, for the one plan a state is made for (decode's: _plan_launch.PlanLaunch); a
         # state whose plans change (DecodeRunner, its graph holding the workspace) keeps the ticket's
-        self.marked = wait_plan is not None and plan_waits(wait_plan, wait_plan.num_chunks, self.heads_groups,
-                                                           self._sms)
+        self.marked = (wait_plan is not None and _env.wait_merge()
+                       and plan_waits(wait_plan, wait_plan.num_chunks, self.heads_groups, self._sms))
         self._alloc(max_batch, max_units, max_pages, num_qo_heads)
         p.heads_groups, p.page_size, p.num_qo_heads, p.group_size, p.q_groups = (
             self.heads_groups, page_size, num_qo_heads, group, q_groups)

@@ -437,14 +437,15 @@ def test_waiting_merge_matches_reference_and_leaves_its_workspace_empty(core, mo
     monkeypatch.setenv("CUPAGED_CORE", core)
     dev, table, host = batch(43, [3000, 17, 0, 500, 1, 4099], dtype=np.float16)
     ref_out, ref_lse = reference.decode(*host, table)
-    for c, waits in ((64, True), (8, False)):  # 12 units of 8 CTAs; 64 units
+    for c, waits, env in ((64, True, "1"), (8, False, "1"), (64, False, "0")):  # 12 units of 8 CTAs; 64 units
+        monkeypatch.setenv("CUPAGED_WAIT_MERGE", env)  # (0: the ticket everywhere; read at a plan's first launch)
         plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=c)
         assert plan.needs_merge
         for _ in range(3):
             out, lse = run("v2", *dev, table, plan)
             check(out, lse, ref_out, ref_lse, np.float16)
         ((state, took),) = waiting_states(plan)
-        assert took == waits, (c, core)
+        assert took == waits, (c, env, core)
         if waits:
             for a in (state.partial_v, state.partial_lse):
                 assert int((a.view(cp.uint32) != PARTIAL_EMPTY).sum()) == 0, (c, core)
