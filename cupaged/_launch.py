@@ -134,7 +134,8 @@ _W_Q, _W_K, _W_V, _W_OUT, _W_LSE = (getattr(PartialParams, f).offset // 8
 
 # ------------------------------------------------------------------ the plan image
 HEADER = 8  # int32: {num_units, o_indptr, indptr, last_page_len, first_page_offset, indices, batch, group_rows}
-HEADER_WAITS = -1  # the header's group_rows entry of a plan without row groups whose fused merge waits (PartialLaunch.waits)
+# the header's group_rows entry of a plan without row groups whose fused merge waits (PartialLaunch.waits)
+HEADER_WAITS = -1
 PARTIAL_EMPTY = 0xFFFFFFFF  # cuda_src/merge.cuh PARTIAL_EMPTY: a float of the waiting merge's workspace no CTA wrote
 HEADER_BATCH = 6  # the header entry holding the batch size (append_kv's device_batch)
 

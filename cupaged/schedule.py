@@ -190,8 +190,9 @@ def fill_waves(pages: np.ndarray, units: int, chunk_pages: np.ndarray, most_page
     """Per-request chunk counts that fill the CTA slots, or None to keep the
     split (the model's pick: ``units`` chunks in all, ``chunk_pages`` pages
     per request, an unsplit request's chunk the cap; ``most_pages`` bounds
-    what one chunk reads, so most plans are turned down on scalars). Why: a one-wave grid of equal CTAs that leaves slots idle streams
-    below what the same bytes in full waves do, and the model cannot say so
+    what one chunk reads, so most plans are turned down on scalars). Why: a
+    one-wave grid of equal CTAs that leaves slots idle streams below what
+    the same bytes in full waves do, and the model cannot say so
     (it sees one makespan). Measured on the H200 (2026-12-04, fp16 head_dim
     128, interleaved against the model's plans; docs/architecture.md "Full
     waves for large one-wave plans"): two waves of ``2 * (slots //
