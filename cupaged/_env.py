@@ -150,13 +150,15 @@ def core() -> str | None:
 
 
 def wait_merge() -> bool:
-    """``CUPAGED_WAIT_MERGE``: 1 or unset (the default) lets a plan whose
-    CTAs fit the GPU at once merge at each request's first chunk, waiting on
-    the partials' values (cupaged/_launch.py ``plan_waits``); 0: every split
-    request merges through the ticket, as before 2026-12-04 (for a GPU whose
-    client sees fewer SMs than the device reports, as under MPS with an
-    active-thread limit: a waiting chunk must find a slot free)."""
-    return bool(_int(WAIT_MERGE, 1, 0, 1))
+    """``CUPAGED_WAIT_MERGE``: 1 lets a plan whose CTAs fit the GPU at once
+    merge at each request's first chunk, waiting on the partials' values
+    (cupaged/_launch.py ``plan_waits``); 0 or unset (the default): every
+    split request merges through the ticket. Opt-in until the ragged and
+    uniform sweeps have timed it beside FlashInfer (only the small cells
+    were, in a probe: 0.38-0.66 us less); keep it 0 where a client sees
+    fewer SMs than the device reports (MPS with an active-thread limit: a
+    waiting chunk must find a slot free)."""
+    return bool(_int(WAIT_MERGE, 0, 0, 1))
 
 
 def pdl() -> bool:

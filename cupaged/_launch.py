@@ -294,8 +294,9 @@ class PartialLaunch:
         table = residency_smem(self.function, threads, self.smem) if self.pdl else (self.smem,)
         self._smem_at = table[:_configs.resident_ctas(variant, head_dim, heads_per_cta, self.core, family) + 1]
         p = self.params = PartialParams()
-        # the waiting merge, for the one plan a state is made for (decode's: _plan_launch.PlanLaunch); a
-        # state whose plans change (DecodeRunner, its graph holding the workspace) keeps the ticket's
+        # the waiting merge (opt-in, env CUPAGED_WAIT_MERGE=1), for the one plan a state is made for (decode's:
+        # _plan_launch.PlanLaunch); a state whose plans change (DecodeRunner, its graph holding the workspace)
+        # keeps the ticket's
         self.marked = (wait_plan is not None and _env.wait_merge()
                        and plan_waits(wait_plan, wait_plan.num_chunks, self.heads_groups, self._sms))
         self._alloc(max_batch, max_units, max_pages, num_qo_heads)

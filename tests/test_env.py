@@ -25,14 +25,14 @@ plan_launch = importlib.import_module("cupaged._plan_launch")
 CASES = {
     _env.DECODE: (_env.decode_method, "gather", "gather", ("bogus", "V2")),
     _env.CORE: (_env.core, "simt", "simt", ("tensor",)),
-    _env.WAIT_MERGE: (_env.wait_merge, "0", False, ("no", "2", "-1")),
+    _env.WAIT_MERGE: (_env.wait_merge, "1", True, ("no", "2", "-1")),
     _env.TARGET_CTAS: (_env.target_ctas, "528", 528, ("lots", "0", "-5", "1.5")),
     _env.NUM_SMS: (_env.num_sms, " 132 ", 132, ("zero", "0")),
     _env.MMA_SMEM_KB: (_env.mma_smem_kb, "40", 40, ("0", "228", "72k")),
     _env.MMA_WARPS: (_env.mma_warps, "2", 2, ("abc", "0", "-1", "33")),
     _env.MMA_MIN_BLOCKS: (_env.mma_min_blocks, "1", 1, ("x", "0")),
 }
-DEFAULTS = {_env.DECODE: "auto", _env.CORE: None, _env.WAIT_MERGE: True, _env.TARGET_CTAS: None, _env.NUM_SMS: None,
+DEFAULTS = {_env.DECODE: "auto", _env.CORE: None, _env.WAIT_MERGE: False, _env.TARGET_CTAS: None, _env.NUM_SMS: None,
             _env.MMA_SMEM_KB: 72, _env.MMA_WARPS: 4, _env.MMA_MIN_BLOCKS: 2}
 
 

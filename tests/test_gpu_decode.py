@@ -402,10 +402,11 @@ def waiting_states(plan):
 
 
 @pytest.mark.parametrize("pages_per_chunk", [2, 64])
-def test_fused_merge_carries_a_chunks_nan(pages_per_chunk):
+def test_fused_merge_carries_a_chunks_nan(pages_per_chunk, monkeypatch):
     # a NaN in a visible V row makes one chunk's partials NaN for its kv head: the fused merge carries the
     # NaN to that head group's output, as the reference does, and the other requests and heads are exact
     # (2 pages a chunk: 888 CTAs, the ticket's merge; 64: 40 CTAs, the waiting merge, the NaN in the merging chunk)
+    monkeypatch.setenv("CUPAGED_WAIT_MERGE", "1")  # (opt-in: cupaged/_env.py wait_merge)
     cp = _cp()
     (q, k, v), table, host = batch(44, [3000, 500, 17], dtype=np.float16)
     v_host = host[2].copy()
@@ -437,8 +438,11 @@ def test_waiting_merge_matches_reference_and_leaves_its_workspace_empty(core, mo
     monkeypatch.setenv("CUPAGED_CORE", core)
     dev, table, host = batch(43, [3000, 17, 0, 500, 1, 4099], dtype=np.float16)
     ref_out, ref_lse = reference.decode(*host, table)
-    for c, waits, env in ((64, True, "1"), (8, False, "1"), (64, False, "0")):  # 12 units of 8 CTAs; 64 units
-        monkeypatch.setenv("CUPAGED_WAIT_MERGE", env)  # (0: the ticket everywhere; read at a plan's first launch)
+    for c, waits, env in ((64, True, "1"), (8, False, "1"), (64, False, "0"), (64, False, None)):  # 12 units of 8 CTAs; 64
+        if env is None:  # (unset, the default: the ticket; the env is read at a plan's first launch)
+            monkeypatch.delenv("CUPAGED_WAIT_MERGE", raising=False)
+        else:
+            monkeypatch.setenv("CUPAGED_WAIT_MERGE", env)
         plan = cupaged.plan_decode(table, 32, 8, 128, np.float16, pages_per_chunk=c)
         assert plan.needs_merge
         for _ in range(3):
